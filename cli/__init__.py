@@ -1,0 +1,1 @@
+"""The `hpckpt` command line: thin typer commands over `hpckpt.api`."""

@@ -1,0 +1,62 @@
+"""The root `hpckpt` app: global options, command registration and `main()`.
+
+Commands live one per module and import their heavy dependencies (numpy, the adapters) inside
+the function body, so `hpckpt --help` and shell completion stay fast.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from hpckpt import __version__
+from hpckpt.cli import env as env_cmd
+from hpckpt.cli import inspect as inspect_cmd
+from hpckpt.cli import verify as verify_cmd
+from hpckpt.cli._errors import set_debug
+
+app = typer.Typer(
+    name="hpckpt",
+    help="Inspect, verify, reshard, convert and consolidate distributed training checkpoints.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"hpckpt {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def root(
+    debug: bool = typer.Option(False, "--debug", help="Show the full traceback when a command fails."),
+    version: Optional[bool] = typer.Option(
+        None, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """hpckpt: one engine for HyperParallel DCP, PyTorch DCP, MindSpore and safetensors checkpoints."""
+    set_debug(debug)
+
+
+app.command("inspect", epilog=inspect_cmd.EXAMPLES)(inspect_cmd.inspect)
+app.command("verify")(verify_cmd.verify)
+app.command("env")(env_cmd.env)
+
+
+@app.command("completion")
+def completion(shell: str = typer.Argument(..., help="bash, zsh or fish.")) -> None:
+    """Print the shell completion script (the files in completions/ are this output)."""
+    from hpckpt.cli import completion as render
+
+    if shell not in render.SHELLS:
+        raise typer.BadParameter(f"choose one of {', '.join(render.SHELLS)}", param_hint="SHELL")
+    typer.echo(render.render(shell, typer.main.get_command(app)), nl=False)
+
+
+def main() -> None:
+    app(prog_name="hpckpt")

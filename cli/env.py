@@ -1,0 +1,46 @@
+"""`hpckpt env`: what a bug report needs, without importing the frameworks unless installed."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import sys
+
+import typer
+
+from hpckpt import __version__
+from hpckpt.cli._errors import handles_errors
+
+_PACKAGES = ("numpy", "safetensors", "typer", "rich", "torch", "mindspore")
+
+
+def _installed(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment() -> dict[str, str]:
+    info = {
+        "hpckpt": __version__,
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+    }
+    info.update({name: _installed(name) for name in _PACKAGES})
+    return info
+
+
+@handles_errors
+def env(json_output: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
+    """Print versions of hpckpt, Python, its dependencies and the platform, for bug reports."""
+    info = environment()
+    if json_output:
+        from hpckpt.cli._output import emit_json
+
+        emit_json(info)
+        return
+    width = max(map(len, info))
+    for key, value in info.items():
+        typer.echo(f"{key:<{width}}  {value}")

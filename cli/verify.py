@@ -1,0 +1,56 @@
+"""`hpckpt verify PATH`: structural checks, every finding reported, one exit code per class."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from hpckpt.cli._errors import handles_errors
+
+
+@handles_errors
+def verify(
+    path: Path = typer.Argument(..., help="Checkpoint directory or file (format is detected)."),
+    strict: bool = typer.Option(False, "--strict", help="Treat warnings (e.g. leftover plan files) as errors."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON document instead of a report."),
+) -> None:
+    """Check files, safetensors headers, keys, dtypes, shapes, chunk coverage and values.
+
+    Exits 0 when the checkpoint is sound, else with the lowest exit code among the problems found
+    (the codes are listed in the README).
+    """
+    from hpckpt import api
+
+    report = api.verify(path, strict=strict)
+    if json_output:
+        from hpckpt.cli._output import emit_json
+
+        emit_json(report)
+    else:
+        render(report)
+    raise typer.Exit(report["exit_code"])
+
+
+def render(report: dict) -> None:
+    import sys
+
+    from rich.markup import escape
+
+    from hpckpt.cli._output import stdout_console
+
+    console = stdout_console()
+    checked = report["checked"]
+    console.print(
+        f"Checked {report['path']} ({report['format']}): {checked['tensors']} tensors in "
+        f"{checked['chunks']} chunks, {checked['values']} values, {checked['files']} data files"
+    )
+    for finding in report["findings"]:
+        style = "red" if finding["severity"] == "error" else "yellow"
+        console.print(f"[{style}]{finding['severity']}[/{style}] [{finding['kind']}] {escape(finding['message'])}")
+    errors = sum(1 for f in report["findings"] if f["severity"] == "error")
+    warnings = len(report["findings"]) - errors
+    if report["ok"]:
+        console.print(f"[green]OK[/green]" + (f" ({warnings} warning(s))" if warnings else ""))
+    else:
+        sys.stderr.write(f"error: verify found {errors} error(s) and {warnings} warning(s); exit code {report['exit_code']}\n")

@@ -1,0 +1,66 @@
+"""Format adapters and format detection: `detect(path)` finds the adapter, `open_index` reads.
+
+The order of `ADAPTERS` matters: the first whose `sniff` answers True wins, so the more specific
+formats come first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hpckpt.converters.base import FormatAdapter
+from hpckpt.converters.hf_sharded import HfShardedAdapter
+from hpckpt.converters.hyperparallel_dcp import HyperParallelAdapter
+from hpckpt.converters.safetensors_file import SafetensorsFileAdapter
+from hpckpt.converters.torch_dcp import TorchDcpAdapter
+from hpckpt.core.errors import NotACheckpointError, PathNotFoundError, UnknownFormatError
+from hpckpt.core.index import CheckpointIndex
+
+ADAPTERS: tuple[FormatAdapter, ...] = (
+    HyperParallelAdapter(),
+    TorchDcpAdapter(),
+    HfShardedAdapter(),
+    SafetensorsFileAdapter(),
+)
+
+
+def recognised() -> str:
+    return ", ".join(f"{a.name} ({a.description})" for a in ADAPTERS)
+
+
+def detect(path: Path) -> FormatAdapter:
+    """Return the adapter for `path`.
+
+    Raises:
+        PathNotFoundError: `path` does not exist.
+        UnknownFormatError: `path` has a metadata file of a format hpckpt does not read.
+        NotACheckpointError: nothing at `path` looks like a checkpoint.
+    """
+    if not path.exists():
+        raise PathNotFoundError(f"{path}: no such file or directory")
+    for adapter in ADAPTERS:
+        if adapter.sniff(path):
+            return adapter
+    if path.is_dir() and (path / ".metadata").is_file():
+        raise UnknownFormatError(
+            f"{path}/.metadata is neither HyperParallel nor PyTorch DCP metadata",
+            hint=f"hpckpt reads: {recognised()}",
+        )
+    if path.is_dir() and (any(path.glob("_rank*_.safetensors")) or any(path.glob("__*_*.distcp"))):
+        raise NotACheckpointError(
+            f"{path}: data files but no metadata file: an interrupted save?",
+            hint="a checkpoint is complete only once its .metadata has been written",
+        )
+    what = "directory" if path.is_dir() else "file"
+    raise NotACheckpointError(
+        f"{path}: this {what} is not a checkpoint hpckpt recognises",
+        hint=f"hpckpt reads: {recognised()}",
+    )
+
+
+def open_index(path: Path | str) -> CheckpointIndex:
+    """Detect the format of `path` and read its index (metadata only; data is read lazily)."""
+    path = Path(path)
+    if path.is_file() and path.name.endswith("metadata"):
+        path = path.parent  # `hpckpt inspect ckpt/.metadata` means the checkpoint directory
+    return detect(path).read_index(path)

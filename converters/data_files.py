@@ -1,0 +1,111 @@
+"""Reaching chunk bytes inside safetensors files (and legacy torch.save archives named like them).
+
+HyperParallel, Hugging Face and plain safetensors checkpoints all keep tensors as keys of
+safetensors files and values as pickles at byte ranges, so they share this one locator. Headers
+are parsed once per file, on first use.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from hpckpt.core import safetensors_io
+from hpckpt.core.errors import CorruptDataError, CorruptMetadataError, EntryMismatchError, MissingFileError
+from hpckpt.core.index import Chunk, Location, TensorEntry, ValueEntry
+from hpckpt.core.paths import resolve_inside
+from hpckpt.core.read import pread_exact
+from hpckpt.core.unpickle import loads
+
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+class DataFileLocator:
+    """`Locator` for checkpoints whose tensors are keys of per-rank data files under `root`."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._tensor_tables: dict[str, dict[str, Location]] = {}
+
+    def path(self, relative: str) -> Path:
+        return resolve_inside(self.root, relative)
+
+    def tensor_table(self, relative: str) -> dict[str, Location]:
+        """Return key -> Location for every tensor in the data file `relative` (cached)."""
+        table = self._tensor_tables.get(relative)
+        if table is None:
+            path = self.path(relative)
+            if not path.is_file():
+                raise MissingFileError(f"{relative}: data file is missing from {self.root}")
+            with open(path, "rb") as f:
+                magic = f.read(4)
+            if magic == ZIP_MAGIC:
+                table = _torch_archive_table(path)
+            else:
+                header = safetensors_io.read_header(path)
+                table = {
+                    key: Location(path, info.begin, info.end - info.begin, info.dtype, info.shape)
+                    for key, info in header.entries.items()
+                }
+            self._tensor_tables[relative] = table
+        return table
+
+    def locate(self, chunk: Chunk, entry: TensorEntry) -> Location:
+        loc = self.tensor_table(chunk.file).get(chunk.key)
+        if loc is None:
+            raise EntryMismatchError(
+                f"{chunk.file}: has no tensor {chunk.key!r} (chunk {chunk.box} of {entry.fqn})"
+            )
+        if loc.stored_dtype != entry.dtype:
+            raise EntryMismatchError(
+                f"{chunk.file}: tensor {chunk.key!r} is {loc.stored_dtype}, the metadata says {entry.dtype} ({entry.fqn})"
+            )
+        if tuple(loc.stored_shape) != tuple(chunk.box.sizes):
+            raise EntryMismatchError(
+                f"{chunk.file}: tensor {chunk.key!r} has shape {list(loc.stored_shape)}, "
+                f"the metadata says {list(chunk.box.sizes)} ({entry.fqn} chunk {chunk.box})"
+            )
+        return loc
+
+    def value_bytes(self, entry: ValueEntry) -> bytes:
+        path = self.path(entry.file)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise MissingFileError(f"{entry.file}: data file is missing (holds value {entry.fqn})") from None
+        try:
+            size = os.fstat(fd).st_size
+            length = size - entry.offset if entry.length < 0 else entry.length
+            if entry.offset < 0 or entry.offset + length > size:
+                raise CorruptDataError(
+                    f"{entry.file}: value {entry.fqn} at bytes [{entry.offset}, {entry.offset + length}) "
+                    f"lies beyond the end of the file ({size} bytes)"
+                )
+            return bytes(pread_exact(fd, length, entry.offset, path))
+        finally:
+            os.close(fd)
+
+    def decode_value(self, entry: ValueEntry) -> Any:
+        data = self.value_bytes(entry)
+        if not data.startswith(b"\x80"):
+            # HyperParallel writes `bytes` values raw, not pickled (format spec 4.4).
+            return data
+        try:
+            return loads(data, what=f"{entry.file} value {entry.fqn}")
+        except CorruptMetadataError as exc:
+            raise CorruptDataError(exc.message) from exc
+
+
+def _torch_archive_table(path: Path) -> dict[str, Location]:
+    """Legacy HyperParallel tensor files are torch.save archives of {key: tensor}."""
+    from hpckpt.core import torch_zip
+
+    obj = torch_zip.load_record(path)
+    if not isinstance(obj, dict):
+        raise CorruptDataError(f"{path}: torch.save archive does not hold a dict of tensors")
+    return {
+        str(key): record.location(path)
+        for key, record in obj.items()
+        if isinstance(record, torch_zip.TensorRecord)
+    }

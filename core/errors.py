@@ -1,0 +1,123 @@
+"""One error hierarchy; every class carries the exit code the CLI returns for it.
+
+The codes are part of the interface (documented in the README): scripts that fan hpckpt out over
+many machines branch on them. A lower code is a more fundamental problem; `verify` exits with the
+lowest code among its findings.
+"""
+
+from __future__ import annotations
+
+
+class HpckptError(Exception):
+    """Base of every error hpckpt raises on purpose; `exit_code` is what the CLI exits with."""
+
+    exit_code = 1
+    kind = "error"
+
+    def __init__(self, message: str, *, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+
+class PathNotFoundError(HpckptError, FileNotFoundError):
+    """The path given on the command line does not exist."""
+
+    exit_code = 3
+    kind = "path-not-found"
+
+
+class NotACheckpointError(HpckptError):
+    """The path exists but holds nothing that looks like a checkpoint."""
+
+    exit_code = 4
+    kind = "not-a-checkpoint"
+
+
+class UnknownFormatError(HpckptError):
+    """The path looks like a checkpoint, but of a format or version hpckpt does not read."""
+
+    exit_code = 5
+    kind = "unknown-format"
+
+
+class CorruptMetadataError(HpckptError):
+    """A metadata file is truncated, not a pickle, or does not have the structure it must."""
+
+    exit_code = 6
+    kind = "corrupt-metadata"
+
+
+class UnsafePickleError(HpckptError):
+    """A pickle names a global outside the allow-list; nothing from it was run."""
+
+    exit_code = 7
+    kind = "unsafe-pickle"
+
+
+class MissingFileError(HpckptError):
+    """A data file the metadata refers to does not exist or cannot be read."""
+
+    exit_code = 8
+    kind = "missing-file"
+
+
+class CorruptDataError(HpckptError):
+    """A data file is truncated or malformed (safetensors header, zip record, byte range)."""
+
+    exit_code = 9
+    kind = "corrupt-data"
+
+
+class EntryMismatchError(HpckptError):
+    """Metadata and data disagree: a tensor key is missing, or its dtype or shape differ."""
+
+    exit_code = 10
+    kind = "entry-mismatch"
+
+
+class GeometryError(HpckptError):
+    """Chunk boxes do not fit the tensor: out of bounds, gaps or overlaps."""
+
+    exit_code = 11
+    kind = "geometry"
+
+
+class UnsafePathError(HpckptError):
+    """A relative path in the metadata leaves the checkpoint directory."""
+
+    exit_code = 12
+    kind = "unsafe-path"
+
+
+class InterruptedSaveError(HpckptError):
+    """Files left by an interrupted save are present."""
+
+    exit_code = 13
+    kind = "interrupted-save"
+
+
+class DestinationExistsError(HpckptError):
+    """The destination exists and --force was not given."""
+
+    exit_code = 14
+    kind = "destination-exists"
+
+
+#: Every error class, for the documentation table and the CLI.
+ERROR_CLASSES: tuple[type[HpckptError], ...] = (
+    PathNotFoundError,
+    NotACheckpointError,
+    UnknownFormatError,
+    CorruptMetadataError,
+    UnsafePickleError,
+    MissingFileError,
+    CorruptDataError,
+    EntryMismatchError,
+    GeometryError,
+    UnsafePathError,
+    InterruptedSaveError,
+    DestinationExistsError,
+)
+
+EXIT_CODE_BY_KIND: dict[str, int] = {cls.kind: cls.exit_code for cls in ERROR_CLASSES}

@@ -1,0 +1,106 @@
+"""`CheckpointIndex`: the framework-free view of any checkpoint that every command works on.
+
+An adapter (one per format, in `hpckpt.converters`) parses a checkpoint's metadata into an index:
+tensors with their global shape and stored chunks (boxes plus the file and key holding them), and
+non-tensor values with the byte range holding them. Where the bytes of a chunk start inside its
+file is resolved lazily through the adapter's `Locator`, so listing a checkpoint never opens its
+data files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from hpckpt.core.box import Box
+from hpckpt.core.dtypes import DType
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """Where a stored chunk's elements are: absolute byte offset of element 0 and its layout.
+
+    `strides` are in elements (None: C-contiguous in `shape`). `stored_dtype`/`stored_shape` are
+    what the data file itself says, which `verify` compares with the metadata.
+    """
+
+    path: Path
+    offset: int
+    nbytes: int
+    stored_dtype: DType
+    stored_shape: tuple[int, ...]
+    strides: tuple[int, ...] | None = None
+
+
+@dataclass(slots=True)
+class Chunk:
+    """A stored box of a tensor and the file (relative path) and key that hold it."""
+
+    box: Box
+    file: str
+    key: str
+
+
+@dataclass(slots=True)
+class TensorEntry:
+    fqn: str
+    dtype: DType
+    shape: tuple[int, ...]
+    chunks: list[Chunk]
+    dtype_spelling: str = ""  # as written in the metadata: "torch.float32", "Float32"
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(slots=True)
+class ValueEntry:
+    """A non-tensor value: `length` bytes at `offset` of `file`, encoded as `encoding`.
+
+    Encodings: "pickle" (HyperParallel `.bytes`), "torch_save" (a torch.save record, PyTorch DCP).
+    """
+
+    fqn: str
+    file: str
+    offset: int
+    length: int
+    encoding: str = "pickle"
+
+
+class Locator(Protocol):
+    """What an adapter provides to reach the bytes behind an index."""
+
+    def locate(self, chunk: Chunk, entry: TensorEntry) -> Location:
+        """Return where `chunk` lives. Raises MissingFileError/CorruptDataError/EntryMismatchError."""
+
+    def decode_value(self, entry: ValueEntry) -> Any:
+        """Return the Python value of a non-tensor entry, through the safe unpickler."""
+
+
+@dataclass
+class CheckpointIndex:
+    """Everything hpckpt knows about a checkpoint after reading its metadata only."""
+
+    root: Path
+    format: str  # "hyperparallel", "hyperparallel-legacy", "torch-dcp", "safetensors", "hf-sharded"
+    format_version: str
+    framework: str | None  # "torch", "mindspore" or None when it cannot be told
+    tensors: dict[str, TensorEntry]
+    values: dict[str, ValueEntry]
+    metadata_files: list[str]
+    data_files: list[str]  # relative paths of every file the metadata refers to, sorted
+    locator: Locator
+    world_size: int | None = None  # inferred from file names: at least this many ranks saved
+    planner_data: dict | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def locate(self, chunk: Chunk, entry: TensorEntry) -> Location:
+        return self.locator.locate(chunk, entry)
+
+    def decode_value(self, fqn: str) -> Any:
+        return self.locator.decode_value(self.values[fqn])

@@ -1,0 +1,154 @@
+"""HyperParallel's `.metadata` model, with HyperParallel's exact class and field names.
+
+The classes mirror `hyper_parallel.core.distributed_checkpoint.{metadata,storage}` so that a pickle
+written by HyperParallel loads into them (through `core.unpickle`) and a pickle written by
+`dumps_metadata` loads into HyperParallel. They are plain (not slotted) dataclasses because pickle
+restores them by updating `__dict__`, which is also how HyperParallel's own classes are restored.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import pickle
+import sys
+import types
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from typing import Any, Iterator
+
+HP_METADATA_MODULE = "hyper_parallel.core.distributed_checkpoint.metadata"
+HP_STORAGE_MODULE = "hyper_parallel.core.distributed_checkpoint.storage"
+HP_LEGACY_METADATA_MODULE = "hyper_parallel.core.checkpoint.metadata"
+HP_LEGACY_STORAGE_MODULE = "hyper_parallel.core.checkpoint.storage"
+
+
+@dataclass(frozen=True)
+class ChunkStorageMetadata:
+    """One stored box of a tensor, in global coordinates (`()`/`()` for a 0-d tensor)."""
+
+    offsets: tuple
+    sizes: tuple
+
+
+@dataclass(frozen=True)
+class TensorProperties:
+    dtype: str
+    requires_grad: bool = False
+    memory_format: str | None = None
+
+
+@dataclass(frozen=True)
+class TensorStorageMetadata:
+    properties: TensorProperties
+    size: tuple
+    chunks: list = field(default_factory=list)
+
+
+@dataclass
+class BytesStorageMetadata:
+    """Marker for a non-tensor value (stored pickled in a `.bytes` file)."""
+
+
+@dataclass(frozen=True)
+class MetadataIndex:
+    """Key of `storage_data`; identity is fqn + offset, `index` is a hint (M0 semantics)."""
+
+    fqn: str
+    offset: tuple = ()
+    index: int | None = field(default=None, compare=False, hash=False)
+
+
+@dataclass
+class StorageInfo:
+    relative_path: str
+    offset: int
+    length: int
+    tensor_key: str | None = None  # absent in legacy pickles: the class default applies
+
+
+@dataclass
+class Metadata:
+    state_dict_metadata: dict
+    planner_data: Any = None
+    storage_data: dict | None = None
+    version: str = "1.0"
+
+
+_CLASS_MODULE = {
+    Metadata: HP_METADATA_MODULE,
+    TensorStorageMetadata: HP_METADATA_MODULE,
+    TensorProperties: HP_METADATA_MODULE,
+    ChunkStorageMetadata: HP_METADATA_MODULE,
+    BytesStorageMetadata: HP_METADATA_MODULE,
+    MetadataIndex: HP_METADATA_MODULE,
+    StorageInfo: HP_STORAGE_MODULE,
+}
+
+#: Our class for each (module, name) HyperParallel has used, current and legacy.
+HP_CLASSES: dict[tuple[str, str], type] = {}
+for _cls, _module in _CLASS_MODULE.items():
+    HP_CLASSES[(_module, _cls.__name__)] = _cls
+    _legacy = _module.replace(".distributed_checkpoint.", ".checkpoint.")
+    HP_CLASSES[(_legacy, _cls.__name__)] = _cls
+
+
+# Writing: HyperParallel must find its own classes in our pickle. The pickler emits, for each of
+# our instances, a stand-in class whose module and qualified name are HyperParallel's; the
+# stand-ins are visible in sys.modules only while a dump runs, so nothing else can see them.
+def _make_stand_ins() -> dict[type, type]:
+    return {
+        cls: type(cls.__name__, (), {"__module__": module, "__qualname__": cls.__name__})
+        for cls, module in _CLASS_MODULE.items()
+    }
+
+
+_STAND_INS = _make_stand_ins()
+
+
+def _plain(value: Any) -> Any:
+    """Shapes and offsets go out as plain tuples of ints (HyperParallel compares with tuples)."""
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+        return tuple(int(v) for v in value)
+    return value
+
+
+class _HyperParallelPickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        stand_in = _STAND_INS.get(type(obj))
+        if stand_in is None:
+            return NotImplemented
+        state = {}
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            if f.name in ("offsets", "sizes", "size", "offset"):
+                value = _plain(value)
+            state[f.name] = value
+        return (copyreg.__newobj__, (stand_in,), state or None)
+
+
+@contextmanager
+def _stand_in_modules() -> Iterator[None]:
+    added = []
+    for module_name in (HP_METADATA_MODULE, HP_STORAGE_MODULE):
+        if module_name in sys.modules:
+            continue
+        module = types.ModuleType(module_name)
+        for stand_in in _STAND_INS.values():
+            if stand_in.__module__ == module_name:
+                setattr(module, stand_in.__qualname__, stand_in)
+        sys.modules[module_name] = module
+        added.append(module_name)
+    try:
+        yield
+    finally:
+        for module_name in added:
+            sys.modules.pop(module_name, None)
+
+
+def dumps_metadata(metadata: Metadata) -> bytes:
+    """Serialise `metadata` as HyperParallel does: protocol 4, its module paths and field names."""
+    buffer = io.BytesIO()
+    with _stand_in_modules():
+        _HyperParallelPickler(buffer, protocol=4).dump(metadata)
+    return buffer.getvalue()

@@ -1,0 +1,26 @@
+"""Resolving the relative paths a checkpoint's metadata names, without leaving the checkpoint."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hpckpt.core.errors import UnsafePathError
+
+
+def resolve_inside(root: Path, relative: str) -> Path:
+    """Return `root/relative`, refusing absolute paths and paths that climb out of `root`.
+
+    Raises:
+        UnsafePathError: `relative` is absolute or resolves outside `root` (e.g. `../x`).
+    """
+    if not relative or os.path.isabs(relative) or relative.startswith(("\\", "/")):
+        raise UnsafePathError(f"path {relative!r} in the metadata is not relative to the checkpoint")
+    root_resolved = root.resolve()
+    target = (root_resolved / relative).resolve()
+    if target != root_resolved and root_resolved not in target.parents:
+        raise UnsafePathError(
+            f"path {relative!r} in the metadata leaves the checkpoint directory {root}",
+            hint="incremental saves can point at an earlier checkpoint; copy it in or use --allow-outside",
+        )
+    return target

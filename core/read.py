@@ -1,0 +1,147 @@
+"""Read any box of any tensor into numpy with ranged reads (`pread`), never whole files.
+
+A region of a stored chunk is fetched with one read of its byte span when that span fits the
+read budget (then gathered with a strided view), else it is split along its outermost dimension
+and each part is read on its own. So a row shard costs one read, and a column slice of a huge
+chunk costs one read per row instead of reading the chunk whole.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from hpckpt.core.box import Box, full_box
+from hpckpt.core.errors import CorruptDataError, GeometryError, MissingFileError
+from hpckpt.core.index import CheckpointIndex, Location, TensorEntry
+
+DEFAULT_READ_BUDGET = 64 * 1024 * 1024
+
+
+class OpenFiles:
+    """A small LRU of read-only file descriptors, so reading many chunks reopens nothing."""
+
+    def __init__(self, limit: int = 64):
+        self._fds: OrderedDict[Path, int] = OrderedDict()
+        self._limit = limit
+
+    def fd(self, path: Path) -> int:
+        fd = self._fds.pop(path, None)
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise MissingFileError(f"{path}: file not found") from None
+            except OSError as exc:
+                raise MissingFileError(f"{path}: cannot be read ({exc.strerror})") from None
+            while len(self._fds) >= self._limit:
+                _, old = self._fds.popitem(last=False)
+                os.close(old)
+        self._fds[path] = fd
+        return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> "OpenFiles":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def pread_exact(fd: int, nbytes: int, offset: int, path: Path, into: memoryview | None = None) -> memoryview:
+    """Read exactly `nbytes` at `offset`; a short read means the file is truncated."""
+    buf = into if into is not None else memoryview(bytearray(nbytes))
+    done = 0
+    while done < nbytes:
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n == 0:
+            raise CorruptDataError(
+                f"{path}: truncated: needed bytes [{offset}, {offset + nbytes}) but the file ends at {offset + done}"
+            )
+        done += n
+    return buf
+
+
+def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for s in reversed(shape):
+        strides.append(step)
+        step *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+def read_region(files: OpenFiles, loc: Location, region: Box, out: np.ndarray,
+                budget: int = DEFAULT_READ_BUDGET) -> None:
+    """Copy `region` (in the chunk's local coordinates) of the chunk at `loc` into `out`."""
+    if region.is_empty:
+        return
+    strides = loc.strides if loc.strides is not None else _c_strides(loc.stored_shape)
+    itemsize = loc.stored_dtype.itemsize
+    start = loc.offset + sum(o * s for o, s in zip(region.offsets, strides)) * itemsize
+    _read_strided(files.fd(loc.path), loc.path, start, region.sizes, strides, itemsize,
+                  np.dtype(loc.stored_dtype.numpy_storage), out, budget)
+
+
+def _read_strided(fd: int, path: Path, start: int, sizes: tuple[int, ...], strides: tuple[int, ...],
+                  itemsize: int, np_dtype: np.dtype, out: np.ndarray, budget: int) -> None:
+    span = (sum((z - 1) * s for z, s in zip(sizes, strides)) + 1) * itemsize
+    needed = itemsize
+    for z in sizes:
+        needed *= z
+    if span == needed and out.flags.c_contiguous:
+        pread_exact(fd, span, start, path, memoryview(out.reshape(-1).view(np.uint8)))
+        return
+    if span <= budget or not sizes:
+        raw = np.frombuffer(pread_exact(fd, span, start, path), dtype=np_dtype)
+        out[...] = np.lib.stride_tricks.as_strided(
+            raw, shape=sizes, strides=tuple(s * itemsize for s in strides), writeable=False
+        )
+        return
+    for i in range(sizes[0]):
+        _read_strided(fd, path, start + i * strides[0] * itemsize, sizes[1:], strides[1:],
+                      itemsize, np_dtype, out[i], budget)
+
+
+def read_box(index: CheckpointIndex, entry: TensorEntry, box: Box | None = None,
+             files: OpenFiles | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """Return `box` (default: the whole tensor) of `entry`, assembled from its stored chunks.
+
+    bfloat16 and float8 come back as raw unsigned integers of the same width (bit-exact).
+
+    Raises:
+        GeometryError: part of the box is covered by no stored chunk.
+    """
+    box = box or full_box(entry.shape)
+    if out is None:
+        out = np.empty(box.sizes, dtype=entry.dtype.np)
+    own_files = files is None
+    files = files or OpenFiles()
+    try:
+        covered = 0
+        seen: set[Box] = set()
+        for chunk in entry.chunks:
+            if chunk.box in seen:
+                continue  # an identical replica: read one copy
+            overlap = chunk.box.intersect(box)
+            if overlap is None:
+                continue
+            seen.add(chunk.box)
+            loc = index.locate(chunk, entry)
+            dest = out[overlap.relative_to(box).slices()] if overlap.ndim else out
+            read_region(files, loc, overlap.relative_to(chunk.box), dest)
+            covered += overlap.volume
+        if covered < box.volume:
+            raise GeometryError(
+                f"{entry.fqn}: stored chunks cover {covered} of the {box.volume} elements of {box}"
+            )
+    finally:
+        if own_files:
+            files.close()
+    return out

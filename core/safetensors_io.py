@@ -1,0 +1,181 @@
+"""safetensors headers: parse and validate in one pass, so data can be read by byte range.
+
+Layout: 8-byte little-endian header length N, N bytes of JSON, then the data buffer; each entry
+`{"dtype", "shape", "data_offsets": [begin, end]}` relative to the buffer. Every check the
+safetensors library makes on load is made here too (size limit, JSON, dtype codes, `numel *
+itemsize == end - begin`, entries contiguous from 0 to the end of the file), each with its own
+message, because a checkpoint that `verify` passes must load everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpckpt.core import dtypes
+from hpckpt.core.dtypes import DType
+from hpckpt.core.errors import CorruptDataError, MissingFileError, UnknownFormatError
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # what the safetensors library accepts
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    key: str
+    dtype: DType
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offsets in the file
+    end: int
+
+
+@dataclass
+class SafetensorsHeader:
+    path: Path
+    file_size: int
+    data_start: int
+    entries: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    problems: list[str] = field(default_factory=list)  # structural findings; empty when valid
+
+
+def read_header(path: Path, *, strict: bool = True) -> SafetensorsHeader:
+    """Read and validate the header of the safetensors file at `path`.
+
+    With `strict`, the first problem raises; otherwise problems are collected in `.problems`
+    and entries that cannot be used are left out (this is what `verify` wants).
+
+    Raises:
+        MissingFileError: the file does not exist or cannot be opened.
+        CorruptDataError: the header is truncated, too large, or not valid JSON (always), or
+            any other structural problem (when `strict`).
+    """
+    try:
+        with open(path, "rb") as f:
+            file_size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CorruptDataError(f"{path}: truncated safetensors file ({file_size} bytes, no header)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > MAX_HEADER_BYTES:
+                raise CorruptDataError(f"{path}: safetensors header length {header_len} exceeds the 100 MiB limit")
+            if 8 + header_len > file_size:
+                raise CorruptDataError(
+                    f"{path}: safetensors header length {header_len} is larger than the file ({file_size} bytes): truncated?"
+                )
+            raw = f.read(header_len)
+    except FileNotFoundError:
+        raise MissingFileError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise CorruptDataError(f"{path}: is a directory, not a safetensors file") from None
+    except PermissionError as exc:
+        raise MissingFileError(f"{path}: cannot be read ({exc.strerror})") from None
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptDataError(f"{path}: safetensors header is not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise CorruptDataError(f"{path}: safetensors header is not a JSON object")
+    header = SafetensorsHeader(path, file_size, 8 + header_len, {}, {})
+    _parse_entries(header, doc)
+    _check_layout(header)
+    if strict and header.problems:
+        raise CorruptDataError(f"{path}: {header.problems[0]}")
+    return header
+
+
+def _parse_entries(header: SafetensorsHeader, doc: dict) -> None:
+    buffer_size = header.file_size - header.data_start
+    for key, spec in doc.items():
+        if key == "__metadata__":
+            if not isinstance(spec, dict) or not all(isinstance(v, str) for v in spec.values()):
+                header.problems.append("__metadata__ must map strings to strings")
+            else:
+                header.metadata = dict(spec)
+            continue
+        try:
+            dtype = dtypes.from_safetensors(spec["dtype"])
+            shape = tuple(spec["shape"])
+            begin, end = spec["data_offsets"]
+        except UnknownFormatError as exc:
+            header.problems.append(f"tensor {key!r}: {exc.message}")
+            continue
+        except (KeyError, TypeError, ValueError):
+            header.problems.append(f"tensor {key!r}: entry needs dtype, shape and data_offsets [begin, end]")
+            continue
+        if not all(isinstance(s, int) and s >= 0 for s in shape) or not all(
+            isinstance(v, int) for v in (begin, end)
+        ):
+            header.problems.append(f"tensor {key!r}: shape and data_offsets must be non-negative integers")
+            continue
+        expected = math.prod(shape) * dtype.itemsize
+        if end - begin != expected:
+            header.problems.append(
+                f"tensor {key!r}: data_offsets [{begin}, {end}] hold {end - begin} bytes, "
+                f"but {dtype.safetensors}{list(shape)} needs {expected}"
+            )
+            continue
+        if begin < 0 or end > buffer_size:
+            header.problems.append(
+                f"tensor {key!r}: data_offsets [{begin}, {end}] lie outside the data buffer "
+                f"({buffer_size} bytes): truncated file?"
+            )
+            continue
+        header.entries[key] = TensorInfo(key, dtype, shape, header.data_start + begin, header.data_start + end)
+
+
+def _check_layout(header: SafetensorsHeader) -> None:
+    """Entries must tile the data buffer from 0 to its end, without holes or overlaps."""
+    position = header.data_start
+    for info in sorted(header.entries.values(), key=lambda i: (i.begin, i.end)):
+        if info.begin < position:
+            header.problems.append(f"tensor {info.key!r} overlaps the previous tensor's bytes")
+        elif info.begin > position:
+            header.problems.append(f"{info.begin - position} bytes of hole before tensor {info.key!r}")
+        position = max(position, info.end)
+    if position < header.file_size and not header.problems:
+        header.problems.append(f"{header.file_size - position} trailing bytes after the last tensor")
+
+
+def is_safetensors(path: Path) -> bool:
+    """Cheap sniff: a plausible header length followed by '{'."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return False
+    if len(head) < 9:
+        return False
+    (n,) = struct.unpack("<Q", head[:8])
+    return head[8:9] == b"{" and 8 + n <= size
+
+
+def write_file(path: Path, tensors: "list[tuple[str, DType, tuple[int, ...], bytes | memoryview]]",
+               metadata: dict[str, str] | None = None) -> None:
+    """Write a small safetensors file from raw little-endian bytes, in the order given.
+
+    For metadata-sized writes (examples, tests, generated benchmarks); the copy engine streams
+    large files instead. Taking raw bytes avoids the safetensors library's numpy path, which
+    writes non-contiguous arrays wrongly (0.8.0) and cannot express bfloat16.
+    """
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    position = 0
+    for key, dtype, shape, data in tensors:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if len(memoryview(data).cast("B")) != nbytes:
+            raise ValueError(f"{key}: {len(memoryview(data).cast('B'))} bytes for {dtype}{list(shape)} ({nbytes} needed)")
+        header[key] = {"dtype": dtype.safetensors, "shape": list(shape), "data_offsets": [position, position + nbytes]}
+        position += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # keep the data buffer 8-byte aligned, as the library does
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for _key, _dtype, _shape, data in tensors:
+            f.write(memoryview(data).cast("B"))

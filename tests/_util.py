@@ -1,0 +1,47 @@
+"""Helpers shared by the tests: fixture locations and bit-exact comparison."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("HPCKPT_SHARED", REPO.parent / "shared"))
+FIXTURES = SHARED / "fixtures" / "hyperparallel"
+FIXTURE_NAMES = (
+    "legacy-torch-4rank",
+    "legacy-torch-4rank-rankLocal",
+    "m0-torch-4rank",
+    "m0-torch-4rank-rankLocal",
+    "m0-mindspore-1rank",
+    "m0-mindspore-1rank-noDist",
+)
+
+
+def expected_tensors(fixture: Path) -> dict[str, np.ndarray]:
+    """The fixture's ground truth as raw-bit numpy arrays (bf16 as uint16), via real torch."""
+    import torch
+    from safetensors.torch import load_file
+
+    out = {}
+    for name, t in load_file(str(fixture / "expected.safetensors")).items():
+        if t.dtype == torch.bfloat16:
+            out[name] = t.view(torch.int16).numpy().view(np.uint16)
+        else:
+            out[name] = t.numpy()
+    return out
+
+
+def expected_values(fixture: Path) -> dict[str, dict]:
+    return json.loads((fixture / "expected.json").read_text())
+
+
+def assert_bit_equal(actual: np.ndarray, expected: np.ndarray, what: str = "") -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert actual.dtype.itemsize == expected.dtype.itemsize, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    a = np.ascontiguousarray(actual).view(np.uint8)
+    e = np.ascontiguousarray(expected).view(np.uint8)
+    assert np.array_equal(a, e), f"{what}: values differ"
