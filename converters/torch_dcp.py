@@ -43,18 +43,6 @@ _RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 _SNIFF_BYTES = 256  # the first global of a DCP .metadata pickle lies within its first ~60 bytes
 
 
-def _get_layout(name: str) -> str:
-    """torch >= 2.x pickles `torch.strided` as `torch.serialization._get_layout('torch.strided')`."""
-    return str(name).removeprefix("torch.")
-
-
-def metadata_global(module: str, name: str) -> Any:
-    """Resolver for `.metadata`: `safe_global` plus the layout helper torch 2.13 pickles."""
-    if (module, name) == ("torch.serialization", "_get_layout"):
-        return _get_layout
-    return safe_global(module, name)
-
-
 def _is_dcp_pickle(data: bytes) -> bool:
     """True when the pickle's globals come from torch.distributed.checkpoint."""
     try:
@@ -197,7 +185,7 @@ def _load_metadata(root: Path) -> Metadata:
         raise NotACheckpointError(f"{root}: no {METADATA} file, not a PyTorch DCP checkpoint") from None
     except OSError as exc:
         raise MissingFileError(f"{meta}: cannot read ({exc.strerror})") from exc
-    metadata = loads(data, what=str(meta), resolver=metadata_global)
+    metadata = loads(data, what=str(meta), resolver=safe_global)
     if not isinstance(metadata, Metadata):
         raise CorruptMetadataError(f"{meta}: holds {type(metadata).__name__}, not DCP Metadata")
     if not isinstance(metadata.state_dict_metadata, dict) or not isinstance(metadata.storage_data, dict):

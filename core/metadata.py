@@ -8,7 +8,6 @@ restores them by updating `__dict__`, which is also how HyperParallel's own clas
 
 from __future__ import annotations
 
-import copyreg
 import io
 import pickle
 import sys
@@ -113,42 +112,57 @@ def _plain(value: Any) -> Any:
     return value
 
 
-class _HyperParallelPickler(pickle.Pickler):
-    def reducer_override(self, obj: Any) -> Any:
-        stand_in = _STAND_INS.get(type(obj))
-        if stand_in is None:
-            return NotImplemented
-        state = {}
+def _to_stand_ins(obj: Any) -> Any:
+    """Copy a metadata tree, replacing each of our instances by a stand-in with the same state.
+
+    pickle writes an instance as NEWOBJ of its own class, so the instances themselves must be of
+    the stand-in classes; their `__dict__` holds exactly HyperParallel's field names.
+    """
+    stand_in = _STAND_INS.get(type(obj))
+    if stand_in is not None:
+        copy = object.__new__(stand_in)
         for f in fields(obj):
             value = getattr(obj, f.name)
             if f.name in ("offsets", "sizes", "size", "offset"):
                 value = _plain(value)
-            state[f.name] = value
-        return (copyreg.__newobj__, (stand_in,), state or None)
+            copy.__dict__[f.name] = _to_stand_ins(value)
+        return copy
+    if isinstance(obj, dict):
+        return {_to_stand_ins(k): _to_stand_ins(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_stand_ins(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_stand_ins(v) for v in obj)
+    return obj
 
 
 @contextmanager
 def _stand_in_modules() -> Iterator[None]:
-    added = []
+    """Make HyperParallel's module paths (and their parents) resolve to the stand-ins, briefly."""
+    wanted: dict[str, types.ModuleType] = {}
     for module_name in (HP_METADATA_MODULE, HP_STORAGE_MODULE):
-        if module_name in sys.modules:
-            continue
-        module = types.ModuleType(module_name)
+        parts = module_name.split(".")
+        for depth in range(1, len(parts) + 1):
+            name = ".".join(parts[:depth])
+            wanted.setdefault(name, types.ModuleType(name))
         for stand_in in _STAND_INS.values():
             if stand_in.__module__ == module_name:
-                setattr(module, stand_in.__qualname__, stand_in)
-        sys.modules[module_name] = module
-        added.append(module_name)
+                setattr(wanted[module_name], stand_in.__qualname__, stand_in)
+    added = [name for name in wanted if name not in sys.modules]
+    if len(added) < len(wanted) and HP_METADATA_MODULE in sys.modules:
+        raise RuntimeError("HyperParallel is imported in this process; write metadata from a separate process")
+    for name in added:
+        sys.modules[name] = wanted[name]
     try:
         yield
     finally:
-        for module_name in added:
-            sys.modules.pop(module_name, None)
+        for name in added:
+            sys.modules.pop(name, None)
 
 
 def dumps_metadata(metadata: Metadata) -> bytes:
     """Serialise `metadata` as HyperParallel does: protocol 4, its module paths and field names."""
     buffer = io.BytesIO()
     with _stand_in_modules():
-        _HyperParallelPickler(buffer, protocol=4).dump(metadata)
+        pickle.Pickler(buffer, protocol=4).dump(_to_stand_ins(metadata))
     return buffer.getvalue()

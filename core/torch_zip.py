@@ -10,7 +10,6 @@ tensor bytes stay on disk until a reader asks for a `Location`.
 
 from __future__ import annotations
 
-import _compat_pickle
 import collections
 import io
 import math
@@ -306,19 +305,8 @@ _RECORD_GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
-def _python3_name(module: str, name: str) -> tuple[str, str]:
-    """torch.save writes protocol 2, where Python 3 names appear as Python 2 ones (`__builtin__.set`).
-
-    The stock unpickler renames them in `find_class`, which the safe unpickler replaces.
-    """
-    if (module, name) in _compat_pickle.NAME_MAPPING:
-        return _compat_pickle.NAME_MAPPING[(module, name)]
-    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
-
-
 def record_global(module: str, name: str) -> Any:
     """Resolver for torch.save pickles: tensor rebuilds and storage types, then `safe_global`."""
-    module, name = _python3_name(module, name)
     try:
         return _RECORD_GLOBALS[(module, name)]
     except KeyError:

@@ -9,6 +9,7 @@ tuple and torch dtypes become our `DType`.
 
 from __future__ import annotations
 
+import _compat_pickle
 import collections
 import datetime
 import io
@@ -51,6 +52,8 @@ def _torch_globals() -> dict[tuple[str, str], Any]:
         table[("torch", alias)] = dtypes.dtype(alias)
     for name in ("strided", "sparse_coo", "contiguous_format", "channels_last", "preserve_format"):
         table[("torch", name)] = name
+    # torch 2.x pickles `torch.strided` in DCP metadata as `_get_layout("torch.strided")`.
+    table[("torch.serialization", "_get_layout")] = lambda name: str(name).removeprefix("torch.")
     return table
 
 
@@ -110,6 +113,13 @@ class SafeUnpickler(pickle.Unpickler):
         self._resolver = resolver
 
     def find_class(self, module: str, name: str) -> Any:
+        # Protocol 2 pickles (torch.save writes them) use Python 2 names such as
+        # `__builtin__.set`; the stock unpickler renames them, and so must we. The renamed
+        # global still has to be on the allow-list.
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        else:
+            module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         return self._resolver(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
