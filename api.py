@@ -79,7 +79,7 @@ def inspect(path: str | Path, include: Iterable[str] = (), exclude: Iterable[str
             "dtype": entry.dtype.name,
             "dtype_as_written": entry.dtype_spelling,
             "shape": list(entry.shape),
-            "chunks": len(entry.chunks),
+            "chunks": entry.n_chunks,
             "bytes": entry.nbytes,
         })
     values = []
@@ -106,7 +106,7 @@ def inspect(path: str | Path, include: Iterable[str] = (), exclude: Iterable[str
         "counts": {
             "tensors": len(index.tensors),
             "values": len(index.values),
-            "chunks": sum(len(t.chunks) for t in index.tensors.values()),
+            "chunks": sum(t.n_chunks for t in index.tensors.values()),
             "tensor_bytes": sum(t.nbytes for t in index.tensors.values()),
         },
         "tensors": tensors,
@@ -146,7 +146,7 @@ def verify(path: str | Path, strict: bool = False) -> dict:
         "exit_code": exit_code(findings, strict),
         "checked": {
             "tensors": len(index.tensors),
-            "chunks": sum(len(t.chunks) for t in index.tensors.values()),
+            "chunks": sum(t.n_chunks for t in index.tensors.values()),
             "values": len(index.values),
             "files": len(index.data_files),
         },

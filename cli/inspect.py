@@ -72,7 +72,7 @@ def render(doc: dict) -> None:
         table = Table(title="Values", title_justify="left", show_edge=False, pad_edge=False)
         table.add_column("name", overflow="fold")
         table.add_column("type")
-        table.add_column("value", overflow="ellipsis", max_width=60, no_wrap=True)
+        table.add_column("value", overflow="fold", max_width=80)
         for v in doc["values"]:
             shown = f"[red]{v['error']}[/red]" if "error" in v else _short(v.get("value"))
             table.add_row(v["fqn"], v.get("type") or "?", shown)

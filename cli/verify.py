@@ -43,11 +43,13 @@ def render(report: dict) -> None:
     checked = report["checked"]
     console.print(
         f"Checked {report['path']} ({report['format']}): {checked['tensors']} tensors in "
-        f"{checked['chunks']} chunks, {checked['values']} values, {checked['files']} data files"
+        f"{checked['chunks']} chunks, {checked['values']} values, {checked['files']} data files",
+        soft_wrap=True,
     )
     for finding in report["findings"]:
         style = "red" if finding["severity"] == "error" else "yellow"
-        console.print(f"[{style}]{finding['severity']}[/{style}] [{finding['kind']}] {escape(finding['message'])}")
+        console.print(f"[{style}]{finding['severity']}[/{style}] {escape('[' + finding['kind'] + ']')} {escape(finding['message'])}",
+                      soft_wrap=True)
     errors = sum(1 for f in report["findings"] if f["severity"] == "error")
     warnings = len(report["findings"]) - errors
     if report["ok"]:

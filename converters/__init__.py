@@ -13,8 +13,9 @@ from hpckpt.converters.hf_sharded import HfShardedAdapter
 from hpckpt.converters.hyperparallel_dcp import HyperParallelAdapter
 from hpckpt.converters.safetensors_file import SafetensorsFileAdapter
 from hpckpt.converters.torch_dcp import TorchDcpAdapter
-from hpckpt.core.errors import NotACheckpointError, PathNotFoundError, UnknownFormatError
+from hpckpt.core.errors import CorruptMetadataError, NotACheckpointError, PathNotFoundError, UnknownFormatError
 from hpckpt.core.index import CheckpointIndex
+from hpckpt.core.unpickle import SNIFF_BYTES, pickle_globals, sniff_head
 
 ADAPTERS: tuple[FormatAdapter, ...] = (
     HyperParallelAdapter(),
@@ -25,7 +26,7 @@ ADAPTERS: tuple[FormatAdapter, ...] = (
 
 
 def recognised() -> str:
-    return ", ".join(f"{a.name} ({a.description})" for a in ADAPTERS)
+    return ", ".join(a.name for a in ADAPTERS)
 
 
 def detect(path: Path) -> FormatAdapter:
@@ -42,6 +43,7 @@ def detect(path: Path) -> FormatAdapter:
         if adapter.sniff(path):
             return adapter
     if path.is_dir() and (path / ".metadata").is_file():
+        _refuse_unreadable_metadata(path / ".metadata")
         raise UnknownFormatError(
             f"{path}/.metadata is neither HyperParallel nor PyTorch DCP metadata",
             hint=f"hpckpt reads: {recognised()}",
@@ -56,6 +58,18 @@ def detect(path: Path) -> FormatAdapter:
         f"{path}: this {what} is not a checkpoint hpckpt recognises",
         hint=f"hpckpt reads: {recognised()}",
     )
+
+
+def _refuse_unreadable_metadata(metadata: Path) -> None:
+    """An empty or truncated `.metadata` is corrupt, not of an unknown format."""
+    head = sniff_head(metadata)
+    if not head:
+        raise CorruptMetadataError(f"{metadata}: empty metadata file")
+    if len(head) < SNIFF_BYTES:
+        try:
+            pickle_globals(head)
+        except CorruptMetadataError as exc:
+            raise CorruptMetadataError(f"{metadata}: {exc.message}") from None
 
 
 def open_index(path: Path | str) -> CheckpointIndex:

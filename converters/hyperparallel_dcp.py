@@ -4,6 +4,7 @@ plus `_rank{r}_.safetensors` and `.bytes` files. Format spec: docs/hyperparallel
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -16,9 +17,10 @@ from hpckpt.core.metadata import (
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageInfo,
     TensorStorageMetadata,
 )
-from hpckpt.core.unpickle import loads, pickle_globals
+from hpckpt.core.unpickle import loads, sniff_head
 
 GLOBAL_METADATA = ".metadata"
 _RANK_LOCAL = re.compile(r"^(\d+)\.metadata$")
@@ -40,23 +42,24 @@ def metadata_files(root: Path) -> list[str]:
     return [name for _, name in sorted(ranked)]
 
 
-def _read_pickle(root: Path, name: str) -> tuple[Metadata, set[tuple[str, str]]]:
+def _read_pickle(root: Path, name: str) -> Metadata:
     try:
         data = (root / name).read_bytes()
     except OSError as exc:
         raise MissingFileError(f"{root / name}: cannot be read ({exc.strerror})") from None
     if not data:
         raise CorruptMetadataError(f"{root / name}: empty metadata file")
-    names = pickle_globals(data)
     metadata = loads(data, what=str(root / name))
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise CorruptMetadataError(f"{root / name}: pickle does not hold a HyperParallel Metadata object")
-    return metadata, names
+    if not isinstance(metadata.storage_data, dict):
+        raise CorruptMetadataError(f"{root / name}: metadata has no storage_data (written before finalize?)")
+    return metadata
 
 
 class HyperParallelAdapter:
     name = "hyperparallel"
-    description = "HyperParallel DCP (.metadata + _rank{r}_.safetensors/.bytes), current and legacy layouts"
+    description = "HyperParallel DCP, current and legacy layouts"
 
     def sniff(self, path: Path) -> bool:
         if not path.is_dir():
@@ -64,28 +67,27 @@ class HyperParallelAdapter:
         files = metadata_files(path)
         if not files:
             return False
-        if files[0] != GLOBAL_METADATA:
-            return True
-        with open(path / GLOBAL_METADATA, "rb") as f:
-            head = f.read(4096)
-        return _HP_PREFIX.encode() in head
+        return files[0] != GLOBAL_METADATA or _HP_PREFIX.encode() in sniff_head(path / GLOBAL_METADATA)
 
     def read_index(self, path: Path) -> CheckpointIndex:
         names = metadata_files(path)
         tensors: dict[str, TensorEntry] = {}
         values: dict[str, ValueEntry] = {}
         planner_data: dict = {}
-        versions, modules = set(), set()
+        versions: set[str] = set()
+        files: set[str] = set()
+        legacy = False
         for name in names:
-            metadata, globals_ = _read_pickle(path, name)
-            modules |= {module for module, _ in globals_}
+            legacy |= _LEGACY_PREFIX.encode() in sniff_head(path / name)
+            metadata = _read_pickle(path, name)
             versions.add(str(metadata.__dict__.get("version", "1.0")))
-            _merge(metadata, name, tensors, values)
+            _Source(metadata, name).merge_into(tensors, values)
+            files.update(info.relative_path for info in metadata.storage_data.values())
             if isinstance(metadata.planner_data, dict):
                 planner_data.update(metadata.planner_data)
-        legacy = any(m.startswith(_LEGACY_PREFIX) for m in modules)
-        data_files = sorted({c.file for t in tensors.values() for c in t.chunks} | {v.file for v in values.values()})
-        ranks = [int(m.group(1)) for f in data_files + names if (m := _RANK_IN_NAME.search(f) or _RANK_LOCAL.match(f) or _LEGACY_RANK_LOCAL.match(f))]
+        data_files = sorted(files)
+        ranks = [int(m.group(1)) for f in data_files + names
+                 if (m := _RANK_IN_NAME.search(f) or _RANK_LOCAL.match(f) or _LEGACY_RANK_LOCAL.match(f))]
         return CheckpointIndex(
             root=path,
             format="hyperparallel-legacy" if legacy else "hyperparallel",
@@ -101,42 +103,74 @@ class HyperParallelAdapter:
         )
 
 
-def _merge(metadata: Metadata, source: str, tensors: dict[str, TensorEntry], values: dict[str, ValueEntry]) -> None:
-    """Add one metadata file's entries; rank-local files of one checkpoint are merged this way."""
-    storage = metadata.storage_data
-    if not isinstance(storage, dict):
-        raise CorruptMetadataError(f"{source}: metadata has no storage_data (written before finalize?)")
-    by_position = {(k.fqn, tuple(k.offset or ()), k.index): v for k, v in storage.items()}
-    by_box = {(k.fqn, tuple(k.offset or ())): v for k, v in storage.items()}
-    for fqn, item in metadata.state_dict_metadata.items():
-        if isinstance(item, TensorStorageMetadata):
-            spelling = str(item.properties.dtype)
-            try:
-                dtype = dtypes.dtype(spelling)
-            except UnknownFormatError as exc:
-                raise UnknownFormatError(f"{source}: tensor {fqn}: {exc.message}") from None
-            shape = tuple(int(s) for s in item.size)
-            entry = tensors.get(fqn)
-            if entry is None:
-                entry = tensors[fqn] = TensorEntry(fqn, dtype, shape, [], spelling)
-            elif entry.dtype != dtype or entry.shape != shape:
-                raise CorruptMetadataError(
-                    f"{source}: tensor {fqn} is {dtype}{list(shape)} here but {entry.dtype}{list(entry.shape)} in another metadata file"
-                )
-            for i, chunk in enumerate(item.chunks):
-                offsets = tuple(int(o) for o in chunk.offsets)
-                info = by_position.get((fqn, offsets, i)) or by_box.get((fqn, offsets))
+class _Source:
+    """One metadata file; rank-local files of one checkpoint are merged source by source.
+
+    Chunks are only turned into `Chunk` objects when a command asks for them (see TensorEntry).
+    """
+
+    def __init__(self, metadata: Metadata, name: str):
+        self.metadata = metadata
+        self.name = name
+        self._by_position: dict | None = None
+
+    def _storage_for(self, fqn: str, offsets: tuple, position: int) -> StorageInfo:
+        storage = self.metadata.storage_data
+        if self._by_position is None:
+            # MetadataIndex compares by fqn + offset (HyperParallel M0), so identical boxes saved
+            # without de-dup collapse into one dict key; then look entries up by position too.
+            expected = sum(len(i.chunks) if isinstance(i, TensorStorageMetadata) else 1
+                           for i in self.metadata.state_dict_metadata.values())
+            self._by_position = {}
+            if len(storage) < expected:
+                self._by_position = {(k.fqn, tuple(k.offset or ()), k.index): v for k, v in storage.items()}
+        info = self._by_position.get((fqn, offsets, position)) if self._by_position else None
+        info = info or storage.get(MetadataIndex(fqn, offsets))
+        if info is None:
+            raise CorruptMetadataError(f"{self.name}: chunk {position} of {fqn} at {list(offsets)} has no storage_data entry")
+        return info
+
+    def chunks(self, fqn: str, item: TensorStorageMetadata) -> list[Chunk]:
+        out = []
+        for i, chunk in enumerate(item.chunks):
+            offsets = tuple(int(o) for o in chunk.offsets)
+            info = self._storage_for(fqn, offsets, i)
+            out.append(Chunk(Box(offsets, tuple(int(s) for s in chunk.sizes)), info.relative_path, info.tensor_key or fqn))
+        return out
+
+    def merge_into(self, tensors: dict[str, TensorEntry], values: dict[str, ValueEntry]) -> None:
+        storage = self.metadata.storage_data
+        for fqn, item in self.metadata.state_dict_metadata.items():
+            if isinstance(item, TensorStorageMetadata):
+                spelling = str(item.properties.dtype)
+                try:
+                    dtype = dtypes.dtype(spelling)
+                except UnknownFormatError as exc:
+                    raise UnknownFormatError(f"{self.name}: tensor {fqn}: {exc.message}") from None
+                shape = tuple(int(s) for s in item.size)
+                build = functools.partial(self.chunks, fqn, item)
+                entry = tensors.get(fqn)
+                if entry is None:
+                    tensors[fqn] = TensorEntry(fqn, dtype, shape, None, spelling, build=build, n_chunks=len(item.chunks))
+                elif entry.dtype != dtype or entry.shape != shape:
+                    raise CorruptMetadataError(
+                        f"{self.name}: tensor {fqn} is {dtype}{list(shape)} here but "
+                        f"{entry.dtype}{list(entry.shape)} in another metadata file"
+                    )
+                else:
+                    entry._build = _concat(entry._build, build)
+                    entry.n_chunks += len(item.chunks)
+            elif isinstance(item, BytesStorageMetadata):
+                info = storage.get(MetadataIndex(fqn))
                 if info is None:
-                    raise CorruptMetadataError(f"{source}: chunk {i} of {fqn} at {list(offsets)} has no storage_data entry")
-                box = Box(offsets, tuple(int(s) for s in chunk.sizes))
-                entry.chunks.append(Chunk(box, info.relative_path, info.tensor_key or fqn))
-        elif isinstance(item, BytesStorageMetadata):
-            info = by_box.get((fqn, ())) or storage.get(MetadataIndex(fqn))
-            if info is None:
-                raise CorruptMetadataError(f"{source}: value {fqn} has no storage_data entry")
-            values.setdefault(fqn, ValueEntry(fqn, info.relative_path, int(info.offset), int(info.length)))
-        else:
-            raise CorruptMetadataError(f"{source}: entry {fqn} has unexpected type {type(item).__name__}")
+                    raise CorruptMetadataError(f"{self.name}: value {fqn} has no storage_data entry")
+                values.setdefault(fqn, ValueEntry(fqn, info.relative_path, int(info.offset), int(info.length)))
+            else:
+                raise CorruptMetadataError(f"{self.name}: entry {fqn} has unexpected type {type(item).__name__}")
+
+
+def _concat(first, second):
+    return lambda: first() + second()
 
 
 def _framework(tensors: dict[str, TensorEntry]) -> str | None:

@@ -35,22 +35,16 @@ from hpckpt.core.torch_dcp_metadata import (
     _StorageInfo,
 )
 from hpckpt.core.torch_zip import TensorRecord, load_record
-from hpckpt.core.unpickle import loads, pickle_globals, safe_global
+from hpckpt.core.unpickle import loads, safe_global, sniff_head
 
 METADATA = ".metadata"
 _DCP_MODULE = "torch.distributed.checkpoint."
 _RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
-_SNIFF_BYTES = 256  # the first global of a DCP .metadata pickle lies within its first ~60 bytes
 
 
-def _is_dcp_pickle(data: bytes) -> bool:
-    """True when the pickle's globals come from torch.distributed.checkpoint."""
-    try:
-        found = pickle_globals(data)
-    except CorruptMetadataError:
-        # Truncated: still ours if it opens with a DCP class, so read_index reports the damage.
-        return _DCP_MODULE.encode() in data[:_SNIFF_BYTES]
-    return any(module.startswith(_DCP_MODULE) for module, _ in found)
+def _is_dcp_pickle(head: bytes) -> bool:
+    """True when the pickle opens with a torch.distributed.checkpoint class (even if truncated later)."""
+    return _DCP_MODULE.encode() in head
 
 
 def _parse_key(key: str, fqn: str) -> tuple[int, int]:
@@ -134,11 +128,7 @@ class TorchDcpAdapter:
         meta = Path(path) / METADATA
         if not meta.is_file():
             return False
-        try:
-            data = meta.read_bytes()
-        except OSError:
-            return False
-        return _is_dcp_pickle(data)
+        return _is_dcp_pickle(sniff_head(meta))
 
     def read_index(self, path: Path) -> CheckpointIndex:
         root = Path(path)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from hpckpt.core.box import Box
 from hpckpt.core.dtypes import DType
@@ -42,13 +42,32 @@ class Chunk:
     key: str
 
 
-@dataclass(slots=True)
 class TensorEntry:
-    fqn: str
-    dtype: DType
-    shape: tuple[int, ...]
-    chunks: list[Chunk]
-    dtype_spelling: str = ""  # as written in the metadata: "torch.float32", "Float32"
+    """A tensor: canonical dtype, global shape and its stored chunks.
+
+    Adapters may pass `build` instead of `chunks`: the chunk list is then made on first use, so
+    listing a checkpoint with hundreds of thousands of chunks creates none of them.
+    """
+
+    __slots__ = ("fqn", "dtype", "shape", "dtype_spelling", "n_chunks", "_chunks", "_build")
+
+    def __init__(self, fqn: str, dtype: DType, shape: tuple[int, ...], chunks: list[Chunk] | None = None,
+                 dtype_spelling: str = "", *, build: Callable[[], list[Chunk]] | None = None,
+                 n_chunks: int | None = None):
+        self.fqn = fqn
+        self.dtype = dtype
+        self.shape = shape
+        self.dtype_spelling = dtype_spelling  # as written in the metadata: "torch.float32", "Float32"
+        self._chunks = chunks
+        self._build = build
+        self.n_chunks = len(chunks) if chunks is not None else int(n_chunks or 0)
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        if self._chunks is None:
+            self._chunks = self._build() if self._build else []
+            self._build = None
+        return self._chunks
 
     @property
     def nbytes(self) -> int:
@@ -56,6 +75,9 @@ class TensorEntry:
         for s in self.shape:
             n *= s
         return n
+
+    def __repr__(self) -> str:
+        return f"TensorEntry({self.fqn!r}, {self.dtype}, {list(self.shape)}, {self.n_chunks} chunks)"
 
 
 @dataclass(slots=True)

@@ -21,6 +21,6 @@ def resolve_inside(root: Path, relative: str) -> Path:
     if target != root_resolved and root_resolved not in target.parents:
         raise UnsafePathError(
             f"path {relative!r} in the metadata leaves the checkpoint directory {root}",
-            hint="incremental saves can point at an earlier checkpoint; copy it in or use --allow-outside",
+            hint="incremental saves can point at an earlier checkpoint: copy those files into this directory",
         )
     return target

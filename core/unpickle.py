@@ -12,6 +12,7 @@ from __future__ import annotations
 import _compat_pickle
 import collections
 import datetime
+import gc
 import io
 import pathlib
 import pickle
@@ -23,6 +24,13 @@ from hpckpt.core.metadata import HP_CLASSES
 from hpckpt.core.torch_dcp_metadata import TORCH_DCP_CLASSES
 
 Resolver = Callable[[str, str], Any]
+
+
+def _bytearray(*args: Any) -> bytearray:
+    """bytearray from bytes only: `bytearray(10**12)` in a 30-byte pickle would exhaust memory."""
+    if args and not isinstance(args[0], (bytes, bytearray, str)):
+        raise UnsafePickleError("refusing bytearray() of a size: only bytearray(bytes) is allowed")
+    return bytearray(*args)
 
 
 def _posix_path(*parts: str) -> str:
@@ -61,7 +69,7 @@ _SAFE_GLOBALS: dict[tuple[str, str], Any] = {
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
     ("builtins", "complex"): complex,
-    ("builtins", "bytearray"): bytearray,
+    ("builtins", "bytearray"): _bytearray,
     ("builtins", "slice"): slice,
     ("builtins", "range"): range,
     ("builtins", "tuple"): tuple,
@@ -126,6 +134,9 @@ class SafeUnpickler(pickle.Unpickler):
         raise UnsafePickleError(f"refusing persistent id {pid!r} outside a torch.save archive")
 
 
+FREEZE_ABOVE_BYTES = 4 * 1024 * 1024
+
+
 def loads(data: bytes, *, what: str, resolver: Resolver = safe_global) -> Any:
     """Unpickle `data` safely; `what` names the source in error messages.
 
@@ -133,8 +144,15 @@ def loads(data: bytes, *, what: str, resolver: Resolver = safe_global) -> Any:
         UnsafePickleError: the pickle names a global that is not allow-listed.
         CorruptMetadataError: the bytes are not a complete pickle.
     """
+    # A large metadata pickle creates millions of objects and no reference cycles; the cyclic
+    # collector would otherwise rescan them again and again (2.5x slower measured on 640k chunks).
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     try:
-        return SafeUnpickler(io.BytesIO(data), resolver=resolver).load()
+        result = SafeUnpickler(io.BytesIO(data), resolver=resolver).load()
+        if len(data) > FREEZE_ABOVE_BYTES:
+            gc.freeze()  # keep the collector from rescanning the new objects, which hold no cycles
+        return result
     except HpckptError as exc:
         exc.message = f"{what}: {exc.message}"
         exc.args = (exc.message,)
@@ -142,13 +160,28 @@ def loads(data: bytes, *, what: str, resolver: Resolver = safe_global) -> Any:
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError,
             AttributeError, MemoryError, UnicodeDecodeError, OverflowError, RecursionError) as exc:
         raise CorruptMetadataError(f"{what}: not a valid pickle ({type(exc).__name__}: {exc})") from exc
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+SNIFF_BYTES = 4096  # the first global of a metadata pickle lies within its first ~100 bytes
+
+
+def sniff_head(path: "pathlib.Path") -> bytes:
+    """The first bytes of a metadata file, enough to tell whose classes it pickles."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(SNIFF_BYTES)
+    except OSError:
+        return b""
 
 
 def pickle_globals(data: bytes, limit: int = 64) -> set[tuple[str, str]]:
     """Return the (module, name) pairs a pickle refers to, without unpickling it.
 
-    Used to tell HyperParallel from PyTorch DCP metadata (both are called `.metadata`). Stops
-    after `limit` globals, which is plenty: class references are memoised after first use.
+    Pure Python, so meant for small pickles and prefixes. Stops after `limit` globals, which
+    is plenty: class references are memoised after first use.
     """
     import pickletools
 

@@ -95,6 +95,8 @@ def _check_files(index: CheckpointIndex, findings: list[Finding]) -> set[str]:
                 continue
             for problem in header.problems:
                 findings.append(Finding("corrupt-data", "error", f"{name}: {problem}", file=name))
+            if header.problems:
+                bad.add(name)
     return bad
 
 

@@ -45,3 +45,26 @@ def assert_bit_equal(actual: np.ndarray, expected: np.ndarray, what: str = "") -
     a = np.ascontiguousarray(actual).view(np.uint8)
     e = np.ascontiguousarray(expected).view(np.uint8)
     assert np.array_equal(a, e), f"{what}: values differ"
+
+
+def read_location(loc) -> np.ndarray:
+    """Read a Location the way a generic reader would: one pread of the span, then a strided view."""
+    dt = loc.stored_dtype.np
+    with open(loc.path, "rb") as f:
+        raw = os.pread(f.fileno(), loc.nbytes, loc.offset)
+    assert len(raw) == loc.nbytes
+    if loc.nbytes == 0:
+        return np.zeros(loc.stored_shape, dtype=dt)
+    flat = np.frombuffer(raw, dtype=dt)
+    if loc.strides is None:
+        return flat[: int(np.prod(loc.stored_shape))].reshape(loc.stored_shape)
+    strides = tuple(s * dt.itemsize for s in loc.strides)
+    return np.lib.stride_tricks.as_strided(flat, shape=loc.stored_shape, strides=strides, writeable=False)
+
+
+def torch_bytes(t) -> bytes:
+    """The raw little-endian bytes of a tensor in row-major order (works for bf16/float8/bool)."""
+    import torch
+
+    dense = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())  # standard strides, even for size-1 dims
+    return dense.reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _util import read_location, torch_bytes
 
 from hpckpt.converters.torch_dcp import TorchDcpAdapter
 from hpckpt.core.errors import (
@@ -25,30 +26,9 @@ from hpckpt.core.errors import (
     UnsafePathError,
     UnsafePickleError,
 )
-from hpckpt.core.index import CheckpointIndex, Location, TensorEntry
+from hpckpt.core.index import CheckpointIndex, TensorEntry
 
 DIST_SCRIPT = Path(__file__).parent / "dist_scripts" / "torch_dcp_save.py"
-
-
-def read_location(loc: Location) -> np.ndarray:
-    """Read a chunk's bytes as a generic reader would: one pread of its span, strided if needed."""
-    dt = loc.stored_dtype.np
-    with open(loc.path, "rb") as f:
-        raw = os.pread(f.fileno(), loc.nbytes, loc.offset)
-    assert len(raw) == loc.nbytes
-    if loc.nbytes == 0:
-        return np.zeros(loc.stored_shape, dtype=dt)
-    flat = np.frombuffer(raw, dtype=dt)
-    if loc.strides is None:
-        return flat[: int(np.prod(loc.stored_shape))].reshape(loc.stored_shape)
-    strides = tuple(s * dt.itemsize for s in loc.strides)
-    return np.lib.stride_tricks.as_strided(flat, shape=loc.stored_shape, strides=strides, writeable=False)
-
-
-def torch_bytes(t: torch.Tensor) -> bytes:
-    """Raw row-major bytes of a tensor (bf16 included) to compare bit-exactly."""
-    dense = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())
-    return dense.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def assemble(index: CheckpointIndex, entry: TensorEntry) -> np.ndarray:

@@ -17,29 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpckpt.core.errors import CorruptDataError, MissingFileError, UnsafePickleError
-from hpckpt.core.index import Location
+from _util import read_location, torch_bytes
 from hpckpt.core.torch_zip import TensorRecord, is_zip_record, load_record
-
-
-def read_location(loc: Location) -> np.ndarray:
-    """Read a Location the way a generic reader would: one pread of the span, then a strided view."""
-    dt = loc.stored_dtype.np
-    with open(loc.path, "rb") as f:
-        raw = os.pread(f.fileno(), loc.nbytes, loc.offset)
-    assert len(raw) == loc.nbytes
-    if loc.nbytes == 0:
-        return np.zeros(loc.stored_shape, dtype=dt)
-    flat = np.frombuffer(raw, dtype=dt)
-    if loc.strides is None:
-        return flat[: int(np.prod(loc.stored_shape))].reshape(loc.stored_shape)
-    strides = tuple(s * dt.itemsize for s in loc.strides)
-    return np.lib.stride_tricks.as_strided(flat, shape=loc.stored_shape, strides=strides, writeable=False)
-
-
-def torch_bytes(t: torch.Tensor) -> bytes:
-    """The raw little-endian bytes of a tensor in row-major order (works for bf16/float8/bool)."""
-    dense = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())  # standard strides, even for size-1 dims
-    return dense.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def assert_same(record: TensorRecord, path: Path, t: torch.Tensor) -> None:
