@@ -63,12 +63,13 @@ def _file_sizes(index: CheckpointIndex) -> list[dict]:
 
 
 def inspect(path: str | Path, include: Iterable[str] = (), exclude: Iterable[str] = (),
-            shards: Iterable[str] = (), decode_values: bool = True) -> dict:
+            shards: Iterable[str] = (), decode_values: bool = True, use_cache: bool = True) -> dict:
     """Describe a checkpoint from its metadata (data files are only stat'ed, values decoded).
 
-    `shards` globs select tensors whose chunk boxes are listed per rank and file.
+    `shards` globs select tensors whose chunk boxes are listed per rank and file. Large
+    HyperParallel indexes are cached after the first run (see converters.index_cache).
     """
-    index = open_index(path)
+    index = open_index(path, use_cache=use_cache)
     files = _file_sizes(index)
     names = select(index.tensors, include, exclude)
     tensors = []

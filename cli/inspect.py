@@ -43,7 +43,7 @@ def inspect(
 def render(doc: dict) -> None:
     from rich.table import Table
 
-    from hpckpt.cli._output import human_bytes, stdout_console
+    from hpckpt.cli._output import human_bytes, stdout_console, write_table
 
     console = stdout_console()
     counts = doc["counts"]
@@ -51,6 +51,7 @@ def render(doc: dict) -> None:
     world = doc["world_size"]
     n_meta = sum(1 for f in doc["files"] if f["path"].endswith(("metadata", ".json")))
     summary = Table.grid(padding=(0, 2))
+    summary.add_column(style="bold")
     summary.add_row("Checkpoint", doc["path"])
     summary.add_row("Format", f"{doc['format']} {doc['format_version']}{framework}")
     summary.add_row("World size", f"{world} (from file names; ranks without data write no file)" if world else "-")
@@ -58,36 +59,28 @@ def render(doc: dict) -> None:
     summary.add_row("Tensors", f"{counts['tensors']} in {counts['chunks']} chunks, {human_bytes(counts['tensor_bytes'])}")
     summary.add_row("Values", str(counts["values"]))
     console.print(summary)
+    console.file.flush()
 
     if doc["tensors"]:
-        table = Table(title="Tensors", title_justify="left", show_edge=False, pad_edge=False)
-        for name, justify in (("name", "left"), ("dtype", "left"), ("shape", "left"), ("chunks", "right"), ("size", "right")):
-            table.add_column(name, justify=justify, no_wrap=name != "name", overflow="fold")
-        for t in doc["tensors"]:
-            table.add_row(t["fqn"], t["dtype"], _shape(t["shape"]), str(t["chunks"]), human_bytes(t["bytes"]))
-        console.print()
-        console.print(table)
-
+        write_table(
+            f"Tensors ({len(doc['tensors'])})",
+            [("name", "left"), ("dtype", "left"), ("shape", "left"), ("chunks", "right"), ("size", "right")],
+            [(t["fqn"], t["dtype"], _shape(t["shape"]), str(t["chunks"]), human_bytes(t["bytes"])) for t in doc["tensors"]],
+        )
     if doc["values"]:
-        table = Table(title="Values", title_justify="left", show_edge=False, pad_edge=False)
-        table.add_column("name", overflow="fold")
-        table.add_column("type")
-        table.add_column("value", overflow="fold", max_width=80)
-        for v in doc["values"]:
-            shown = f"[red]{v['error']}[/red]" if "error" in v else _short(v.get("value"))
-            table.add_row(v["fqn"], v.get("type") or "?", shown)
-        console.print()
-        console.print(table)
-
+        write_table(
+            f"Values ({len(doc['values'])})",
+            [("name", "left"), ("type", "left"), ("value", "left")],
+            [(v["fqn"], v.get("type") or "?", f"error: {v['error']}" if "error" in v else _short(v.get("value")))
+             for v in doc["values"]],
+        )
     for shard in doc.get("shards", []):
-        table = Table(title=f"Chunks of {shard['fqn']}", title_justify="left", show_edge=False, pad_edge=False)
-        for name in ("#", "offsets", "sizes", "rank", "file", "key"):
-            table.add_column(name, overflow="fold")
-        for i, c in enumerate(shard["chunks"]):
-            rank = "-" if c["rank"] is None else str(c["rank"])
-            table.add_row(str(i), _shape(c["offsets"]), _shape(c["sizes"]), rank, c["file"], c["key"])
-        console.print()
-        console.print(table)
+        write_table(
+            f"Chunks of {shard['fqn']} ({len(shard['chunks'])})",
+            [("#", "right"), ("offsets", "left"), ("sizes", "left"), ("rank", "right"), ("file", "left"), ("key", "left")],
+            [(str(i), _shape(c["offsets"]), _shape(c["sizes"]), "-" if c["rank"] is None else str(c["rank"]), c["file"], c["key"])
+             for i, c in enumerate(shard["chunks"])],
+        )
 
 
 def _shape(shape: list[int]) -> str:
@@ -95,7 +88,5 @@ def _shape(shape: list[int]) -> str:
 
 
 def _short(value: object) -> str:
-    from rich.markup import escape
-
-    text = repr(value) if not isinstance(value, str) else repr(value)
-    return escape(text if len(text) <= 60 else text[:57] + "...")
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -72,9 +72,16 @@ def _refuse_unreadable_metadata(metadata: Path) -> None:
             raise CorruptMetadataError(f"{metadata}: {exc.message}") from None
 
 
-def open_index(path: Path | str) -> CheckpointIndex:
-    """Detect the format of `path` and read its index (metadata only; data is read lazily)."""
+def open_index(path: Path | str, *, use_cache: bool = False) -> CheckpointIndex:
+    """Detect the format of `path` and read its index (metadata only; data is read lazily).
+
+    `use_cache` lets a large HyperParallel index come from its snapshot (converters.index_cache);
+    commands that must see the real metadata (verify, anything that writes) leave it off.
+    """
     path = Path(path)
     if path.is_file() and path.name.endswith("metadata"):
         path = path.parent  # `hpckpt inspect ckpt/.metadata` means the checkpoint directory
-    return detect(path).read_index(path)
+    adapter = detect(path)
+    if use_cache and isinstance(adapter, HyperParallelAdapter):
+        return adapter.read_index(path, use_cache=True)
+    return adapter.read_index(path)

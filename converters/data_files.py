@@ -27,6 +27,7 @@ class DataFileLocator:
     def __init__(self, root: Path):
         self.root = root
         self._tensor_tables: dict[str, dict[str, Location]] = {}
+        self._headers: dict[str, safetensors_io.SafetensorsHeader] = {}
 
     def path(self, relative: str) -> Path:
         return resolve_inside(self.root, relative)
@@ -43,13 +44,32 @@ class DataFileLocator:
             if magic == ZIP_MAGIC:
                 table = _torch_archive_table(path)
             else:
-                header = safetensors_io.read_header(path)
+                header = self._header(relative, path)
+                if header.problems:
+                    raise CorruptDataError(f"{relative}: {header.problems[0]}")
                 table = {
                     key: Location(path, info.begin, info.end - info.begin, info.dtype, info.shape)
                     for key, info in header.entries.items()
                 }
             self._tensor_tables[relative] = table
         return table
+
+    def _header(self, relative: str, path: Path) -> safetensors_io.SafetensorsHeader:
+        header = self._headers.get(relative)
+        if header is None:
+            header = self._headers[relative] = safetensors_io.read_header(path, strict=False)
+        return header
+
+    def file_problems(self, relative: str) -> list[str]:
+        """Structural problems of a tensor file (empty when sound); parsed once, shared with locate."""
+        path = self.path(relative)
+        if not relative.endswith(".safetensors"):
+            return []  # `.bytes` files have no structure of their own; values are checked one by one
+        with open(path, "rb") as f:
+            if f.read(4) == ZIP_MAGIC:
+                self.tensor_table(relative)  # raises CorruptDataError for a broken archive
+                return []
+        return self._header(relative, path).problems
 
     def locate(self, chunk: Chunk, entry: TensorEntry) -> Location:
         loc = self.tensor_table(chunk.file).get(chunk.key)

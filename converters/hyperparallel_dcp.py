@@ -8,6 +8,7 @@ import functools
 import re
 from pathlib import Path
 
+from hpckpt.converters import index_cache
 from hpckpt.converters.data_files import DataFileLocator
 from hpckpt.core import dtypes
 from hpckpt.core.box import Box
@@ -69,8 +70,18 @@ class HyperParallelAdapter:
             return False
         return files[0] != GLOBAL_METADATA or _HP_PREFIX.encode() in sniff_head(path / GLOBAL_METADATA)
 
-    def read_index(self, path: Path) -> CheckpointIndex:
+    def read_index(self, path: Path, *, use_cache: bool = False) -> CheckpointIndex:
         names = metadata_files(path)
+        if use_cache:
+            cached = index_cache.load(path, names, DataFileLocator(path), lambda: self._parse(path, names))
+            if cached is not None:
+                return cached
+        index = self._parse(path, names)
+        if use_cache:
+            index_cache.store(index)
+        return index
+
+    def _parse(self, path: Path, names: list[str]) -> CheckpointIndex:
         tensors: dict[str, TensorEntry] = {}
         values: dict[str, ValueEntry] = {}
         planner_data: dict = {}
@@ -112,30 +123,36 @@ class _Source:
     def __init__(self, metadata: Metadata, name: str):
         self.metadata = metadata
         self.name = name
+        self._by_box: dict | None = None
         self._by_position: dict | None = None
 
-    def _storage_for(self, fqn: str, offsets: tuple, position: int) -> StorageInfo:
-        storage = self.metadata.storage_data
-        if self._by_position is None:
-            # MetadataIndex compares by fqn + offset (HyperParallel M0), so identical boxes saved
-            # without de-dup collapse into one dict key; then look entries up by position too.
+    def _lookup(self) -> tuple[dict, dict]:
+        """Chunk storage by (fqn, offsets) and, when boxes repeat, by (fqn, offsets, position).
+
+        MetadataIndex compares by fqn + offset (HyperParallel M0), so identical boxes saved
+        without de-dup collapse into one dict key; then entries are looked up by position too.
+        """
+        if self._by_box is None:
+            storage = self.metadata.storage_data
+            self._by_box = {(k.fqn, k.offset): v for k, v in storage.items()}
             expected = sum(len(i.chunks) if isinstance(i, TensorStorageMetadata) else 1
                            for i in self.metadata.state_dict_metadata.values())
             self._by_position = {}
             if len(storage) < expected:
                 self._by_position = {(k.fqn, tuple(k.offset or ()), k.index): v for k, v in storage.items()}
-        info = self._by_position.get((fqn, offsets, position)) if self._by_position else None
-        info = info or storage.get(MetadataIndex(fqn, offsets))
-        if info is None:
-            raise CorruptMetadataError(f"{self.name}: chunk {position} of {fqn} at {list(offsets)} has no storage_data entry")
-        return info
+        return self._by_box, self._by_position
 
     def chunks(self, fqn: str, item: TensorStorageMetadata) -> list[Chunk]:
+        by_box, by_position = self._lookup()
         out = []
         for i, chunk in enumerate(item.chunks):
-            offsets = tuple(int(o) for o in chunk.offsets)
-            info = self._storage_for(fqn, offsets, i)
-            out.append(Chunk(Box(offsets, tuple(int(s) for s in chunk.sizes)), info.relative_path, info.tensor_key or fqn))
+            offsets = tuple(map(int, chunk.offsets))
+            info = (by_position.get((fqn, offsets, i)) if by_position else None) or by_box.get((fqn, offsets))
+            if info is None:
+                info = self.metadata.storage_data.get(MetadataIndex(fqn, offsets))
+            if info is None:
+                raise CorruptMetadataError(f"{self.name}: chunk {i} of {fqn} at {list(offsets)} has no storage_data entry")
+            out.append(Chunk(Box(offsets, tuple(map(int, chunk.sizes))), info.relative_path, info.tensor_key or fqn))
         return out
 
     def merge_into(self, tensors: dict[str, TensorEntry], values: dict[str, ValueEntry]) -> None:

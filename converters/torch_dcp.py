@@ -64,6 +64,11 @@ class TorchDcpLocator:
         self.transformed = transformed or {}
         self._records: dict[tuple[str, int], Any] = {}
 
+    def file_problems(self, relative: str) -> list[str]:
+        """`.distcp` files are concatenated records with no header of their own: each record is
+        checked when its item is located."""
+        return []
+
     def locate(self, chunk: Chunk, entry: TensorEntry) -> Location:
         path, record = self._record(chunk.file, chunk.key, entry.fqn)
         if not isinstance(record, TensorRecord):

@@ -99,12 +99,15 @@ def dtype(spelling: "str | DType") -> DType:
         raise UnknownFormatError(f"unknown dtype {spelling!r}") from None
 
 
+_BY_SAFETENSORS: dict[str, DType] = {d.safetensors: d for d in _TABLE}
+
+
 def from_safetensors(code: str) -> DType:
     """Return the DType of a safetensors header code (exact, upper-case match)."""
-    for d in _TABLE:
-        if d.safetensors == code:
-            return d
-    raise UnknownFormatError(f"unknown safetensors dtype code {code!r}")
+    try:
+        return _BY_SAFETENSORS[code]
+    except (KeyError, TypeError):
+        raise UnknownFormatError(f"unknown safetensors dtype code {code!r}") from None
 
 
 def from_numpy(array_dtype: np.dtype) -> DType:

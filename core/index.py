@@ -103,6 +103,9 @@ class Locator(Protocol):
     def decode_value(self, entry: ValueEntry) -> Any:
         """Return the Python value of a non-tensor entry, through the safe unpickler."""
 
+    def file_problems(self, relative: str) -> list[str]:
+        """Return structural problems of a data file (empty when sound), for `verify`."""
+
 
 @dataclass
 class CheckpointIndex:

@@ -106,9 +106,7 @@ def _parse_entries(header: SafetensorsHeader, doc: dict) -> None:
         except (KeyError, TypeError, ValueError):
             header.problems.append(f"tensor {key!r}: entry needs dtype, shape and data_offsets [begin, end]")
             continue
-        if not all(isinstance(s, int) and s >= 0 for s in shape) or not all(
-            isinstance(v, int) for v in (begin, end)
-        ):
+        if type(begin) is not int or type(end) is not int or not _is_shape(shape):
             header.problems.append(f"tensor {key!r}: shape and data_offsets must be non-negative integers")
             continue
         expected = math.prod(shape) * dtype.itemsize
@@ -125,6 +123,13 @@ def _parse_entries(header: SafetensorsHeader, doc: dict) -> None:
             )
             continue
         header.entries[key] = TensorInfo(key, dtype, shape, header.data_start + begin, header.data_start + end)
+
+
+def _is_shape(shape: tuple) -> bool:
+    for s in shape:
+        if type(s) is not int or s < 0:
+            return False
+    return True
 
 
 def _check_layout(header: SafetensorsHeader) -> None:

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 
-from hpckpt.core import safetensors_io
 from hpckpt.core.box import Box
 from hpckpt.core.errors import EXIT_CODE_BY_KIND, HpckptError
 from hpckpt.core.index import CheckpointIndex, TensorEntry
@@ -86,26 +85,17 @@ def _check_files(index: CheckpointIndex, findings: list[Finding]) -> set[str]:
             findings.append(Finding("missing-file", "error", f"{name}: data file {what}", file=name))
             bad.add(name)
             continue
-        if _looks_like_safetensors(path, name):
-            try:
-                header = safetensors_io.read_header(path, strict=False)
-            except HpckptError as exc:
-                findings.append(_error(exc, file=name))
-                bad.add(name)
-                continue
-            for problem in header.problems:
-                findings.append(Finding("corrupt-data", "error", f"{name}: {problem}", file=name))
-            if header.problems:
-                bad.add(name)
+        try:
+            problems = index.locator.file_problems(name)
+        except HpckptError as exc:
+            findings.append(_error(exc, file=name))
+            bad.add(name)
+            continue
+        for problem in problems:
+            findings.append(Finding("corrupt-data", "error", f"{name}: {problem}", file=name))
+        if problems:
+            bad.add(name)
     return bad
-
-
-def _looks_like_safetensors(path: Path, name: str) -> bool:
-    """A `.safetensors` name that is not a torch.save archive must parse as safetensors."""
-    if not name.endswith(".safetensors"):
-        return False
-    with open(path, "rb") as f:
-        return f.read(4) != b"PK\x03\x04"
 
 
 def _check_tensor(index: CheckpointIndex, entry: TensorEntry, bad_files: set[str], findings: list[Finding]) -> None:
@@ -137,6 +127,8 @@ def _coverage(entry: TensorEntry, boxes: list[Box]) -> list[Finding]:
     if math.prod(shape) == 0:
         return []
     distinct = sorted({b for b in boxes if not b.is_empty}, key=lambda b: (b.offsets, b.sizes))
+    if _tiles_one_dim(distinct, shape):
+        return []
     cuts = [sorted({0, n} | {b.offsets[d] for b in distinct} | {b.ends[d] for b in distinct})
             for d, n in enumerate(shape)]
     grid = tuple(len(c) - 1 for c in cuts)
@@ -167,6 +159,23 @@ def _coverage(entry: TensorEntry, boxes: list[Box]) -> list[Finding]:
             fqn=entry.fqn, boxes=tuple(map(str, overlaps)),
         ))
     return findings
+
+
+def _tiles_one_dim(boxes: list[Box], shape: tuple[int, ...]) -> bool:
+    """Fast path for the common layouts (row or column shards): full extent in every dimension
+    but one, and intervals along that one meeting end to end from 0 to its size."""
+    split = [d for d in range(len(shape)) if any(b.sizes[d] != shape[d] for b in boxes)]
+    if len(split) > 1:
+        return False
+    d = split[0] if split else 0
+    if any(any(b.offsets[k] != 0 for k in range(len(shape)) if k != d) for b in boxes):
+        return False
+    position = 0
+    for b in sorted(boxes, key=lambda b: b.offsets[d]):
+        if b.offsets[d] != position:
+            return False
+        position += b.sizes[d]
+    return position == shape[d]
 
 
 def _cells_to_boxes(mask: np.ndarray, cuts: list[list[int]]) -> tuple[list[Box], int]:
