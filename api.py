@@ -153,3 +153,306 @@ def verify(path: str | Path, strict: bool = False) -> dict:
         },
         "findings": [f.to_json() for f in findings],
     }
+
+
+# --- writing: reshard and consolidate -------------------------------------------------------
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """`5GB` (decimal, as Hugging Face counts), `512MiB` (binary) or a plain number of bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(text).upper())
+    if not match or match.group(2) not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (examples: 5GB, 512MiB, 1000000)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+
+
+def _run_report(kind: str, src: str | Path, dst: str | Path, started: float, written: int, read: int,
+                **extra: Any) -> dict:
+    import time
+
+    seconds = time.perf_counter() - started
+    return {
+        "schema": SCHEMA_VERSION,
+        "hpckpt_version": __version__,
+        "command": kind,
+        "source": str(src),
+        "destination": str(dst),
+        "bytes_written": written,
+        "bytes_read": read,
+        "read_amplification": round(read / written, 3) if written else None,
+        "seconds": round(seconds, 3),
+        "gb_per_s": round(written / seconds / 1e9, 3) if seconds > 0 else None,
+        **extra,
+    }
+
+
+FRAGMENT_DIR = ".hpckpt-fanout"
+
+
+def _spelling(framework: str | None):
+    if framework == "mindspore":
+        return lambda d: d.mindspore or d.torch
+    return lambda d: d.torch
+
+
+def plan_reshard(src: str | Path, spec: Any, *, include: Iterable[str] = (), exclude: Iterable[str] = (),
+                 ranks: Iterable[int] | None = None, framework: str | None = None, dtype: str | None = None):
+    """Read `src` and plan its reshard onto `spec` (a `core.layout.LayoutSpec`); nothing is written."""
+    from hpckpt.core import dtypes
+    from hpckpt.core.plan import make_plan
+
+    index = open_index(src)
+    names = select(list(index.tensors) + list(index.values), include, exclude)
+    world_size = max(spec.mesh.ranks) + 1
+    framework = framework or index.framework
+    plan = make_plan(index, lambda entry: spec.resolve(entry.fqn, entry.shape), world_size, names=names,
+                     ranks=ranks, dtype_spelling=_spelling(framework),
+                     cast_to=dtypes.dtype(dtype) if dtype else None)
+    return index, plan, framework
+
+
+def _plan_summary(plan) -> dict:
+    stats = plan.stats()
+    return {
+        "world_size": plan.world_size,
+        "ranks": [
+            {"rank": s.rank, "bytes_written": s.bytes_written, "bytes_read": s.bytes_read, "source_files": s.source_files}
+            for s in stats
+        ],
+        "files": len(plan.files) + (1 if plan.values and plan.values_rank in plan.producing else 0),
+        "bytes": sum(s.bytes_written for s in stats),
+        "bytes_read": sum(s.bytes_read for s in stats),
+    }
+
+
+class Progress:
+    """What the write commands report progress to: `start(total_bytes)`, then `advance(n)`."""
+
+    def start(self, total: int) -> None: ...
+
+    def advance(self, n: int) -> None: ...
+
+
+def reshard(src: str | Path, dst: str | Path, spec: Any, *, include: Iterable[str] = (),
+            exclude: Iterable[str] = (), ranks: Iterable[int] | None = None, force: bool = False,
+            jobs: int | None = None, max_memory: int | None = None, framework: str | None = None,
+            dtype: str | None = None, dry_run: bool = False, progress=None) -> dict:
+    """Reshard `src` into a HyperParallel DCP checkpoint at `dst` laid out by `spec`.
+
+    With `ranks`, only those target ranks' files are written (fan-out); `finalize(dst)` writes
+    the metadata once every rank's files are there.
+    """
+    import time
+
+    from hpckpt.core import engine
+    from hpckpt.core.metadata import dumps_metadata
+    from hpckpt.core.staging import StagingDir, write_durably
+
+    started = time.perf_counter()
+    index, plan, framework = plan_reshard(src, spec, include=include, exclude=exclude, ranks=ranks,
+                                          framework=framework, dtype=dtype)
+    summary = _plan_summary(plan)
+    if dry_run:
+        return {**_run_report("reshard", src, dst, started, 0, 0), "dry_run": True, "plan": summary}
+    if progress is not None:
+        progress.start(summary["bytes"])
+    options = dict(jobs=jobs, max_memory=max_memory or engine.DEFAULT_MAX_MEMORY,
+                   progress=progress.advance if progress is not None else None,
+                   file_metadata={"format": "ms"} if framework == "mindspore" else None)
+    metadata_bytes = dumps_metadata(plan.metadata)
+    if ranks is None:
+        with StagingDir(Path(dst), force=force) as staging:
+            engine.execute(plan, index, staging.path, **options)
+            write_durably(staging.path / ".metadata", metadata_bytes)
+            staging.commit()
+    else:
+        _write_fragment(plan, index, Path(dst), metadata_bytes, options)
+    return {**_run_report("reshard", src, dst, started, summary["bytes"], summary["bytes_read"]),
+            "dry_run": False, "plan": summary, "finalized": ranks is None}
+
+
+def _write_fragment(plan, index, dst: Path, metadata_bytes: bytes, options: dict) -> None:
+    """Fan-out: this job's files go straight into `dst` (each written under a temporary name and
+    renamed), then a record of them; the shared metadata waits in the fragment directory."""
+    import hashlib
+    import json as _json
+
+    from hpckpt.core import engine
+    from hpckpt.core.errors import DestinationExistsError
+    from hpckpt.core.staging import write_durably
+
+    if (dst / ".metadata").exists():
+        raise DestinationExistsError(f"{dst} is already a finished checkpoint")
+    fragments = dst / FRAGMENT_DIR
+    fragments.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(metadata_bytes).hexdigest()
+    plan_file = fragments / f"plan-{digest[:16]}.metadata"
+    if not plan_file.exists():
+        tmp = fragments / f".tmp-{os.getpid()}"
+        write_durably(tmp, metadata_bytes)
+        os.replace(tmp, plan_file)
+    work = dst / f".hpckpt-tmp-{os.getpid()}"
+    work.mkdir(exist_ok=True)
+    try:
+        engine.execute(plan, index, work, **options)
+        names = sorted(p.name for p in work.iterdir())
+        for name in names:
+            os.replace(work / name, dst / name)
+    finally:
+        for leftover in work.iterdir():
+            leftover.unlink()
+        work.rmdir()
+    record = {"plan": digest, "ranks": list(plan.producing), "files": names}
+    write_durably(fragments / f"ranks-{min(plan.producing)}-{max(plan.producing)}-{digest[:16]}.json",
+                  _json.dumps(record, sort_keys=True).encode())
+
+
+def finalize(dst: str | Path) -> dict:
+    """Write `.metadata` for a fanned-out reshard once every target rank's files are present.
+
+    Raises:
+        NotACheckpointError: `dst` holds no fan-out fragments.
+        CorruptMetadataError: the fragments come from different plans.
+        MissingFileError: some rank's files are missing (the message names the ranks).
+    """
+    import json as _json
+    import shutil
+
+    from hpckpt.core.errors import CorruptMetadataError, MissingFileError, NotACheckpointError
+    from hpckpt.core.staging import write_durably
+    from hpckpt.core.unpickle import loads
+
+    dst = Path(dst)
+    fragments = dst / FRAGMENT_DIR
+    records = [_json.loads(p.read_text()) for p in sorted(fragments.glob("ranks-*.json"))] if fragments.is_dir() else []
+    if not records:
+        raise NotACheckpointError(f"{dst}: no fan-out fragments to finalize",
+                                  hint="run `hpckpt reshard ... --rank R` for every target rank first")
+    digests = {r["plan"] for r in records}
+    if len(digests) != 1:
+        raise CorruptMetadataError(f"{dst}: fragments come from {len(digests)} different plans (different sources or options)")
+    (digest,) = digests
+    metadata_bytes = (fragments / f"plan-{digest[:16]}.metadata").read_bytes()
+    metadata = loads(metadata_bytes, what=str(fragments))
+    needed = sorted({info.relative_path for info in metadata.storage_data.values()})
+    done = {f for r in records for f in r["files"]}
+    missing = [name for name in needed if name not in done or not (dst / name).is_file()]
+    if missing:
+        raise MissingFileError(f"{dst}: {len(missing)} file(s) not written yet, e.g. {missing[0]}",
+                               hint="run the missing target ranks with --rank, then finalize again")
+    write_durably(dst / ".metadata", metadata_bytes)
+    shutil.rmtree(fragments)
+    return {"schema": SCHEMA_VERSION, "destination": str(dst), "files": len(needed), "finalized": True}
+
+
+CONSOLIDATE_FORMATS = ("safetensors", "hf", "pt", "dcp")
+
+
+def _values_document(index, names: list[str]) -> dict:
+    return {fqn: {"type": type(v).__name__, "value": _jsonable(v)}
+            for fqn in names if fqn in index.values for v in [index.decode_value(fqn)]}
+
+
+def consolidate(src: str | Path, out: str | Path, fmt: str = "safetensors", *, include: Iterable[str] = (),
+                exclude: Iterable[str] = (), dtype: str | None = None, max_shard_size: str | int = "5GB",
+                force: bool = False, jobs: int | None = None, max_memory: int | None = None, progress=None) -> dict:
+    """Merge `src` into whole tensors: one safetensors file, Hugging Face shards, a torch.save
+    file or a one-rank HyperParallel checkpoint. Non-tensor values go into the pt file, or into a
+    JSON side file (`values.json` / `<name>.values.json`) for the safetensors formats.
+    """
+    import json as _json
+    import time
+
+    from hpckpt.core import dtypes, engine
+    from hpckpt.core.errors import DestinationExistsError
+    from hpckpt.core.plan import TargetFile, plan_whole_tensors
+    from hpckpt.core.staging import StagingDir, write_durably
+
+    if fmt not in CONSOLIDATE_FORMATS:
+        raise ValueError(f"unknown format {fmt!r}: choose one of {', '.join(CONSOLIDATE_FORMATS)}")
+    out = Path(out)
+    if fmt == "dcp":
+        from hpckpt.core.layout import LayoutSpec
+
+        report = reshard(src, out, LayoutSpec.for_world_size(1), include=include, exclude=exclude, force=force,
+                         jobs=jobs, max_memory=max_memory, dtype=dtype, progress=progress)
+        return {**report, "command": "consolidate", "format": fmt}
+    started = time.perf_counter()
+    index = open_index(src)
+    names = select(index.tensors, include, exclude)
+    value_names = select(index.values, include, exclude)
+    cast_to = dtypes.dtype(dtype) if dtype else None
+    budget = max_memory or engine.DEFAULT_MAX_MEMORY
+    if fmt == "hf":
+        cap = parse_size(max_shard_size)
+        files = plan_whole_tensors(index, names, max_file_bytes=cap, cast_to=cast_to,
+                                   file_names=lambda i, n: f"model-{i + 1:05d}-of-{n:05d}.safetensors")
+    else:
+        files = plan_whole_tensors(index, names, cast_to=cast_to,
+                                   file_names=lambda i, n: out.name)
+    written = sum(f.nbytes for f in files)
+    read = sum(p.region.volume * t.dtype.itemsize for f in files for t in f.tensors for p in t.pieces)
+    if progress is not None:
+        progress.start(written)
+    advance = progress.advance if progress is not None else (lambda n: None)
+    if fmt == "hf":
+        with StagingDir(out, force=force) as staging:
+            from concurrent.futures import ThreadPoolExecutor
+
+            n_jobs = max(1, jobs or engine.default_jobs())
+            with ThreadPoolExecutor(n_jobs) as pool:
+                futures = [pool.submit(engine.write_target_file, staging.path / f.name, f, index,
+                                       budget=max(1, budget // n_jobs), progress=advance,
+                                       metadata={"format": "pt"}) for f in files]
+                for future in futures:
+                    future.result()
+            weight_map = {t.key: f.name for f in files for t in f.tensors}
+            document = {"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}
+            write_durably(staging.path / "model.safetensors.index.json",
+                          (_json.dumps(document, indent=2, sort_keys=True) + "\n").encode())
+            if value_names:
+                write_durably(staging.path / "values.json",
+                              (_json.dumps(_values_document(index, value_names), indent=1) + "\n").encode())
+            staging.commit()
+        return {**_run_report("consolidate", src, out, started, written, read), "format": fmt, "files": len(files) + 1}
+    if out.exists() and not force:
+        raise DestinationExistsError(f"{out} exists", hint="pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    target: TargetFile = files[0]
+    if fmt == "pt":
+        _write_pt(out, target, index, value_names, budget, advance)
+    else:
+        tmp = out.parent / f".{out.name}.hpckpt-tmp-{os.getpid()}"
+        try:
+            engine.write_target_file(tmp, target, index, budget=budget, progress=advance,
+                                     metadata={"format": "pt"})
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
+        if value_names:
+            side = out.with_name(out.name.removesuffix(".safetensors") + ".values.json")
+            write_durably(side, (_json.dumps(_values_document(index, value_names), indent=1) + "\n").encode())
+    return {**_run_report("consolidate", src, out, started, written, read), "format": fmt}
+
+
+def _write_pt(out: Path, target, index, value_names: list[str], budget: int, progress) -> None:
+    """Stream a torch.save file: tensors in checkpoint order, then the values; peak memory is one
+    tile (`budget`) plus the pickle of the names."""
+    from hpckpt.core.engine import TileCopier
+    from hpckpt.core.read import OpenFiles
+    from hpckpt.core.torch_save_writer import TorchSaveWriter
+
+    with TorchSaveWriter(out) as writer:
+        for t in target.tensors:
+            writer.add_tensor(t.key, t.dtype, t.box.sizes)
+        for fqn in value_names:
+            writer.add_value(fqn, index.decode_value(fqn))
+        with OpenFiles() as files:
+            copier = TileCopier(index, files, -1, budget, progress)
+            for t in target.tensors:
+                writer.write_tensor(t.key, copier.buffers(t))

@@ -58,3 +58,46 @@ def write_table(title: str, columns: list[tuple[str, str]], rows: list[tuple[str
            "  ".join("─" * w for w in widths)]
     out.extend(line(row) for row in rows)
     sys.stdout.write("\n".join(out) + "\n")
+
+
+class TerminalProgress:
+    """rich progress (bytes, rate, ETA) on stderr, only when stderr is a terminal."""
+
+    def __init__(self, description: str):
+        self.description = description
+        self._progress = None
+        self._task = None
+
+    def start(self, total: int) -> None:
+        if not sys.stderr.isatty():
+            return
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+
+        self._progress = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                                  TransferSpeedColumn(), TimeRemainingColumn(), console=stderr_console(),
+                                  transient=True)
+        self._progress.start()
+        self._task = self._progress.add_task(self.description, total=total)
+
+    def advance(self, n: int) -> None:
+        if self._progress is not None:
+            self._progress.advance(self._task, n)
+
+    def stop(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+def parse_ranks(values: list[str] | None) -> list[int] | None:
+    """`--rank 3 --rank 8-15` -> [3, 8, 9, ..., 15]."""
+    if not values:
+        return None
+    ranks: set[int] = set()
+    for value in values:
+        for part in value.split(","):
+            first, _, last = part.partition("-")
+            if not first.strip().isdigit() or (last and not last.strip().isdigit()):
+                raise ValueError(f"--rank takes numbers or ranges like 0-7, not {part!r}")
+            ranks.update(range(int(first), int(last or first) + 1))
+    return sorted(ranks)

@@ -12,8 +12,10 @@ from typing import Optional
 import typer
 
 from hpckpt import __version__
+from hpckpt.cli import consolidate as consolidate_cmd
 from hpckpt.cli import env as env_cmd
 from hpckpt.cli import inspect as inspect_cmd
+from hpckpt.cli import reshard as reshard_cmd
 from hpckpt.cli import verify as verify_cmd
 from hpckpt.cli._errors import set_debug
 
@@ -46,6 +48,8 @@ def root(
 
 app.command("inspect", epilog=inspect_cmd.EXAMPLES)(inspect_cmd.inspect)
 app.command("verify")(verify_cmd.verify)
+app.command("reshard", epilog=reshard_cmd.EXAMPLES)(reshard_cmd.reshard)
+app.command("consolidate", epilog=consolidate_cmd.EXAMPLES)(consolidate_cmd.consolidate)
 app.command("env")(env_cmd.env)
 
 

@@ -4,7 +4,7 @@
 # Subcommand names of the command PATH.
 _hpckpt_commands() {
     case $1 in
-        hpckpt) _hpckpt_words=(inspect verify env completion) ;;
+        hpckpt) _hpckpt_words=(inspect verify reshard consolidate env completion) ;;
         *) _hpckpt_words=() ;;
     esac
 }
@@ -15,6 +15,8 @@ _hpckpt_options() {
         hpckpt) _hpckpt_words=(--debug --version --help -h) ;;
         'hpckpt inspect') _hpckpt_words=(--include -i --exclude -x --shards -s --no-values --json --help -h) ;;
         'hpckpt verify') _hpckpt_words=(--strict --json --help -h) ;;
+        'hpckpt reshard') _hpckpt_words=(--output -o --world-size -w --split --mesh --placements --layout-rules --layout-file --rank -r --finalize --include -i --exclude -x --dtype --framework --jobs -j --max-memory --force --dry-run --plan --json --help -h) ;;
+        'hpckpt consolidate') _hpckpt_words=(--output -o --format -f --include -i --exclude -x --dtype --max-shard-size --jobs -j --max-memory --force --json --help -h) ;;
         'hpckpt env') _hpckpt_words=(--json --help -h) ;;
         'hpckpt completion') _hpckpt_words=(--help -h) ;;
         *) _hpckpt_words=() ;;
@@ -27,6 +29,28 @@ _hpckpt_value() {
         'hpckpt inspect --include'|'hpckpt inspect -i') _hpckpt_kind=none ;;
         'hpckpt inspect --exclude'|'hpckpt inspect -x') _hpckpt_kind=none ;;
         'hpckpt inspect --shards'|'hpckpt inspect -s') _hpckpt_kind=none ;;
+        'hpckpt reshard --output'|'hpckpt reshard -o') _hpckpt_kind=file ;;
+        'hpckpt reshard --world-size'|'hpckpt reshard -w') _hpckpt_kind=none ;;
+        'hpckpt reshard --split') _hpckpt_kind=none ;;
+        'hpckpt reshard --mesh') _hpckpt_kind=none ;;
+        'hpckpt reshard --placements') _hpckpt_kind=none ;;
+        'hpckpt reshard --layout-rules') _hpckpt_kind=file ;;
+        'hpckpt reshard --layout-file') _hpckpt_kind=file ;;
+        'hpckpt reshard --rank'|'hpckpt reshard -r') _hpckpt_kind=none ;;
+        'hpckpt reshard --include'|'hpckpt reshard -i') _hpckpt_kind=none ;;
+        'hpckpt reshard --exclude'|'hpckpt reshard -x') _hpckpt_kind=none ;;
+        'hpckpt reshard --dtype') _hpckpt_kind=none ;;
+        'hpckpt reshard --framework') _hpckpt_kind=none ;;
+        'hpckpt reshard --jobs'|'hpckpt reshard -j') _hpckpt_kind=none ;;
+        'hpckpt reshard --max-memory') _hpckpt_kind=none ;;
+        'hpckpt consolidate --output'|'hpckpt consolidate -o') _hpckpt_kind=file ;;
+        'hpckpt consolidate --format'|'hpckpt consolidate -f') _hpckpt_kind=none ;;
+        'hpckpt consolidate --include'|'hpckpt consolidate -i') _hpckpt_kind=none ;;
+        'hpckpt consolidate --exclude'|'hpckpt consolidate -x') _hpckpt_kind=none ;;
+        'hpckpt consolidate --dtype') _hpckpt_kind=none ;;
+        'hpckpt consolidate --max-shard-size') _hpckpt_kind=none ;;
+        'hpckpt consolidate --jobs'|'hpckpt consolidate -j') _hpckpt_kind=none ;;
+        'hpckpt consolidate --max-memory') _hpckpt_kind=none ;;
         *) _hpckpt_kind= _hpckpt_words=() ;;
     esac
 }
@@ -36,6 +60,8 @@ _hpckpt_takes_args() {
     case $1 in
         'hpckpt inspect') return 0 ;;
         'hpckpt verify') return 0 ;;
+        'hpckpt reshard') return 0 ;;
+        'hpckpt consolidate') return 0 ;;
         'hpckpt completion') return 0 ;;
         *) return 1 ;;
     esac

@@ -5,13 +5,15 @@
 complete -c hpckpt -f
 
 # hpckpt
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify env completion' -l debug -d 'Show the full traceback when a command fails.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify env completion' -l version -d 'Print the version and exit.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify env completion' -l help -s h -d 'Show this message and exit.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify env completion' -a inspect -d 'Show the format, world size, files, tensors (dtype, shape, chunks) and values of a checkpoint.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify env completion' -a verify -d 'Check files, safetensors headers, keys, dtypes, shapes, chunk coverage and values.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify env completion' -a env -d 'Print versions of hpckpt, Python, its dependencies and the platform, for bug reports.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify env completion' -a completion -d 'Print the shell completion script (the files in completions/ are this output).'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate env completion' -l debug -d 'Show the full traceback when a command fails.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate env completion' -l version -d 'Print the version and exit.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate env completion' -l help -s h -d 'Show this message and exit.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate env completion' -a inspect -d 'Show the format, world size, files, tensors (dtype, shape, chunks) and values of a checkpoint.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate env completion' -a verify -d 'Check files, safetensors headers, keys, dtypes, shapes, chunk coverage and values.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate env completion' -a reshard -d 'Reshard a checkpoint to a new world size or layout (output: HyperParallel DCP).'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate env completion' -a consolidate -d 'Merge a sharded checkpoint into whole tensors for release or inference.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate env completion' -a env -d 'Print versions of hpckpt, Python, its dependencies and the platform, for bug reports.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate env completion' -a completion -d 'Print the shell completion script (the files in completions/ are this output).'
 
 # hpckpt inspect
 complete -c hpckpt -n '__fish_seen_subcommand_from inspect' -l include -s i -x -d 'Only entries whose name matches (repeatable).'
@@ -27,6 +29,42 @@ complete -c hpckpt -n '__fish_seen_subcommand_from verify' -l strict -d 'Treat w
 complete -c hpckpt -n '__fish_seen_subcommand_from verify' -l json -d 'Print one JSON document instead of a report.'
 complete -c hpckpt -n '__fish_seen_subcommand_from verify' -l help -s h -d 'Show this message and exit.'
 complete -c hpckpt -n '__fish_seen_subcommand_from verify' -F
+
+# hpckpt reshard
+complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l output -s o -r -F -d 'Destination directory (HyperParallel DCP).'
+complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l world-size -s w -x -d 'FSDP-style target: dim 0 split over N ranks.'
+complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l split -x -d 'Uneven split rule: balanced (HyperParallel) or ceil (PyTorch).'
+complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l mesh -x -d 'Target device mesh, e.g. 2x4.'
+complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l placements -x -d 'Placement per mesh dim, e.g. R,S0.'
+complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l layout-rules -r -F -d 'TOML file of per-tensor placements (see README).'
+complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l layout-file -r -F -d 'HyperParallel .layout JSON (repeatable).'
+complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l rank -s r -x -d 'Write only these target ranks (e.g. 3, 0-7); repeatable.'
+complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l finalize -d 'Write the metadata of a fanned-out reshard.'
+complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l include -s i -x -d 'Only entries matching (repeatable).'
+complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l exclude -s x -x -d 'Leave out entries matching (repeatable).'
+complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l dtype -x -d 'Cast floating tensors: bf16, fp16, fp32, fp64.'
+complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l framework -x -d 'dtype strings as torch or mindspore writes them (default: the source\'s).'
+complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l jobs -s j -x -d 'Files written in parallel (default: cores, at most 8).'
+complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l max-memory -x -d 'Memory budget for copy buffers.'
+complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l force -d 'Replace an existing destination.'
+complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l dry-run -l plan -d 'Print what each target rank reads and writes; copy nothing.'
+complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l json -d 'Print one JSON document.'
+complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l help -s h -d 'Show this message and exit.'
+complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -F
+
+# hpckpt consolidate
+complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l output -s o -r -F -d 'Output file (safetensors, pt) or directory (hf, dcp).'
+complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l format -s f -x -d 'safetensors, hf, pt or dcp.'
+complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l include -s i -x -d 'Only entries matching (repeatable).'
+complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l exclude -s x -x -d 'Leave out entries matching (repeatable).'
+complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l dtype -x -d 'Cast floating tensors: bf16, fp16, fp32, fp64.'
+complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l max-shard-size -x -d 'hf: largest shard (5GB = 5*10^9 bytes, 4GiB = 4*2^30).'
+complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l jobs -s j -x -d 'Files written in parallel (hf).'
+complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l max-memory -x -d 'Memory budget for copy buffers.'
+complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l force -d 'Replace an existing output.'
+complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l json -d 'Print one JSON document.'
+complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l help -s h -d 'Show this message and exit.'
+complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -F
 
 # hpckpt env
 complete -c hpckpt -n '__fish_seen_subcommand_from env' -l json -d 'Print one JSON object.'

@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from hpckpt.core.box import Box
+from hpckpt.core.cast import cast
 from hpckpt.core.index import CheckpointIndex, Location
 from hpckpt.core.plan import Plan, TargetFile, TargetTensor
 from hpckpt.core.read import OpenFiles, read_region
@@ -94,8 +95,8 @@ def _copy_range(src_fd: int, dst_fd: int, count: int, src_offset: int, dst_offse
         done += len(chunk)
 
 
-class _TensorWriter:
-    """Fills one target tensor at byte `base` of an output file."""
+class TileCopier:
+    """Copies target tensors out of their source pieces, one contiguous tile at a time."""
 
     def __init__(self, index: CheckpointIndex, files: OpenFiles, out_fd: int, budget: int, progress: Progress):
         self.index = index
@@ -108,25 +109,45 @@ class _TensorWriter:
         return self.index.locate(piece.chunk, self.index.tensors[target.fqn])
 
     def write(self, target: TargetTensor, base: int) -> None:
+        """Fill the tensor at byte `base` of the output file, tile by tile."""
+        for tile, dest, parts in self._tiles(target, base):
+            source = target.source_dtype or target.dtype
+            if (source == target.dtype and len(parts) == 1 and parts[0][1] == tile
+                    and self._direct(parts[0][0], tile, target, dest)):
+                continue
+            data = self._gather(target, tile, parts)
+            written = 0
+            while written < len(data):
+                written += os.pwrite(self.out_fd, data[written:], dest + written)
+            self.progress(len(data))
+
+    def buffers(self, target: TargetTensor) -> Iterator[memoryview]:
+        """The tensor's bytes in order, one tile at a time (for writers that append)."""
+        for tile, _dest, parts in self._tiles(target, 0):
+            data = self._gather(target, tile, parts)
+            self.progress(len(data))
+            yield data
+
+    def _tiles(self, target: TargetTensor, base: int):
         itemsize = target.dtype.itemsize
         sizes = target.box.sizes
         for tile_local in contiguous_tiles(sizes, itemsize, self.budget):
             tile = Box(tuple(o + t for o, t in zip(target.box.offsets, tile_local.offsets)), tile_local.sizes)
             dest = base + _linear(tile_local.offsets, sizes) * itemsize
             parts = [(p, p.region.intersect(tile) if tile.ndim else tile) for p in target.pieces]
-            parts = [(p, r) for p, r in parts if r is not None]
-            if len(parts) == 1 and parts[0][1] == tile and self._direct(parts[0][0], tile, target, dest):
-                continue
-            buffer = np.empty(tile.sizes, dtype=target.dtype.np)
-            for piece, region in parts:
-                loc = self._location(piece, target)
-                view = buffer[region.relative_to(tile).slices()] if region.ndim else buffer
-                read_region(self.files, loc, region.relative_to(piece.chunk.box), view)
-            data = memoryview(buffer.reshape(-1).view(np.uint8)) if buffer.size else b""
-            written = 0
-            while written < len(data):
-                written += os.pwrite(self.out_fd, data[written:], dest + written)
-            self.progress(len(data))
+            yield tile, dest, [(p, r) for p, r in parts if r is not None]
+
+    def _gather(self, target: TargetTensor, tile: Box, parts) -> memoryview:
+        """Read every piece of `tile` into one buffer (casting if asked) and return its bytes."""
+        source = target.source_dtype or target.dtype
+        buffer = np.empty(tile.sizes, dtype=source.np)
+        for piece, region in parts:
+            loc = self._location(piece, target)
+            view = buffer[region.relative_to(tile).slices()] if region.ndim else buffer
+            read_region(self.files, loc, region.relative_to(piece.chunk.box), view)
+        if source != target.dtype:
+            buffer = np.require(cast(buffer, source, target.dtype), requirements="C")
+        return memoryview(buffer.reshape(-1).view(np.uint8))
 
     def _direct(self, piece, tile: Box, target: TargetTensor, dest: int) -> bool:
         """Copy a tile that is one contiguous run of one source chunk in the kernel."""
@@ -166,7 +187,7 @@ def write_target_file(path: Path, target: TargetFile, index: CheckpointIndex, *,
         os.ftruncate(fd, len(head) + target.nbytes)
         os.pwrite(fd, head, 0)
         with OpenFiles() as files:
-            writer = _TensorWriter(index, files, fd, budget, progress)
+            writer = TileCopier(index, files, fd, budget, progress)
             for t, offset in zip(target.tensors, offsets):
                 writer.write(t, len(head) + offset)
         os.fsync(fd)

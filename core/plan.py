@@ -50,13 +50,17 @@ class Piece:
 
 @dataclass(frozen=True)
 class TargetTensor:
-    """One box of one tensor stored under `key` in a target file, and the pieces that fill it."""
+    """One box of one tensor stored under `key` in a target file, and the pieces that fill it.
+
+    `dtype` is the stored dtype; `source_dtype`, when set and different, asks the engine to cast.
+    """
 
     fqn: str
     key: str
     dtype: DType
     box: Box
     pieces: tuple[Piece, ...]
+    source_dtype: DType | None = None
 
     @property
     def nbytes(self) -> int:
@@ -191,11 +195,13 @@ def _assign_owners(tensors: list[TensorEntry], layout_of: Callable[[TensorEntry]
 
 def make_plan(index: CheckpointIndex, layout_of: Callable[[TensorEntry], TargetLayout], world_size: int,
               *, names: Iterable[str] | None = None, ranks: Iterable[int] | None = None,
-              dtype_spelling: Callable[[DType], str] = lambda d: d.torch) -> Plan:
+              dtype_spelling: Callable[[DType], str] = lambda d: d.torch,
+              cast_to: DType | None = None) -> Plan:
     """Plan resharding `index` onto `world_size` target ranks laid out by `layout_of`.
 
     `names` restricts the tensors and values carried over (default: all); `ranks` restricts the
     files planned for copying (fan-out), while the metadata always describes every rank.
+    `cast_to` casts floating tensors; `dtype_spelling` writes dtypes as torch or MindSpore does.
 
     Raises:
         GeometryError: a target box lies outside its tensor, or the source does not cover it.
@@ -222,19 +228,14 @@ def make_plan(index: CheckpointIndex, layout_of: Callable[[TensorEntry], TargetL
             chunk_lists[entry.fqn].append(ChunkStorageMetadata(box.offsets, box.sizes))
             storage[MetadataIndex(entry.fqn, box.offsets, position)] = StorageInfo(name, 0, -1, key)
             if rank in producing:
-                finder = finders.get(entry.fqn) or finders.setdefault(entry.fqn, ChunkFinder(entry.chunks))
-                pieces = tuple(finder.overlapping(box))
-                covered = sum(p.region.volume for p in pieces)
-                if covered != box.volume:
-                    raise GeometryError(
-                        f"{entry.fqn}: the source covers {covered} of the {box.volume} elements of target box {box}"
-                    )
-                target.tensors.append(TargetTensor(entry.fqn, key, entry.dtype, box, pieces))
+                out = _out_dtype(entry.dtype, cast_to)
+                target.tensors.append(TargetTensor(entry.fqn, key, out, box, _pieces(entry, box, finders),
+                                                   source_dtype=entry.dtype if out != entry.dtype else None))
         if rank in producing:
             files.append(target)
     for entry in tensors:
         state[entry.fqn] = TensorStorageMetadata(
-            TensorProperties(dtype_spelling(entry.dtype)), tuple(entry.shape), chunk_lists[entry.fqn])
+            TensorProperties(dtype_spelling(_out_dtype(entry.dtype, cast_to))), tuple(entry.shape), chunk_lists[entry.fqn])
     # Values are decoded (safely) and pickled again with protocol 4, as HyperParallel writes them:
     # the same bytes whatever the source format, and PyTorch DCP's torch.save records become pickles.
     values = [(fqn, pickle.dumps(index.decode_value(fqn), protocol=4)) for fqn in index.values if fqn in wanted]
@@ -247,3 +248,46 @@ def make_plan(index: CheckpointIndex, layout_of: Callable[[TensorEntry], TargetL
     planner_data = {fqn: path for fqn, path in (index.planner_data or {}).items() if fqn in state} or None
     metadata = Metadata(state, planner_data=planner_data, storage_data=storage)
     return Plan(world_size, files, values, values_rank, metadata, tuple(sorted(producing)))
+
+
+def _out_dtype(dtype: DType, cast_to: DType | None) -> DType:
+    from hpckpt.core.cast import CASTABLE
+
+    return cast_to if cast_to is not None and dtype.name in CASTABLE else dtype
+
+
+def _pieces(entry: TensorEntry, box: Box, finders: dict[str, ChunkFinder]) -> tuple[Piece, ...]:
+    finder = finders.get(entry.fqn) or finders.setdefault(entry.fqn, ChunkFinder(entry.chunks))
+    pieces = tuple(finder.overlapping(box))
+    covered = sum(p.region.volume for p in pieces)
+    if covered != box.volume:
+        raise GeometryError(f"{entry.fqn}: the source covers {covered} of the {box.volume} elements of {box}")
+    return pieces
+
+
+def plan_whole_tensors(index: CheckpointIndex, names: list[str], *, max_file_bytes: int | None = None,
+                       file_names: Callable[[int, int], str] = lambda i, n: "model.safetensors",
+                       cast_to: DType | None = None) -> list[TargetFile]:
+    """Plan consolidated files: every tensor whole under its own name, in `names` order.
+
+    With `max_file_bytes`, tensors are packed greedily into files of at most that size (a tensor
+    larger than the cap gets a file of its own), as Hugging Face's sharding does; `file_names(i, n)`
+    names file i of n. `cast_to` casts floating tensors (others keep their dtype).
+    """
+    from hpckpt.core.box import full_box
+
+    finders: dict[str, ChunkFinder] = {}
+    groups: list[list[TargetTensor]] = [[]]
+    size = 0
+    for fqn in names:
+        entry = index.tensors[fqn]
+        dtype = _out_dtype(entry.dtype, cast_to)
+        box = full_box(entry.shape)
+        tensor = TargetTensor(fqn, fqn, dtype, box, _pieces(entry, box, finders),
+                              source_dtype=entry.dtype if dtype != entry.dtype else None)
+        if max_file_bytes is not None and groups[-1] and size + tensor.nbytes > max_file_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(tensor)
+        size += tensor.nbytes
+    return [TargetFile(0, file_names(i, len(groups)), group) for i, group in enumerate(groups)]
