@@ -16,6 +16,7 @@ from hpckpt import __version__
 from hpckpt.converters import open_index
 from hpckpt.core.errors import HpckptError
 from hpckpt.core.index import CheckpointIndex
+from hpckpt.core.layout import inferred_layouts
 from hpckpt.core.validate import Finding, exit_code, validate
 
 SCHEMA_VERSION = 1
@@ -71,6 +72,7 @@ def inspect(path: str | Path, include: Iterable[str] = (), exclude: Iterable[str
     """
     index = open_index(path, use_cache=use_cache)
     files = _file_sizes(index)
+    layouts = inferred_layouts(index)
     names = select(index.tensors, include, exclude)
     tensors = []
     for fqn in names:
@@ -80,6 +82,7 @@ def inspect(path: str | Path, include: Iterable[str] = (), exclude: Iterable[str
             "dtype": entry.dtype.name,
             "dtype_as_written": entry.dtype_spelling,
             "shape": list(entry.shape),
+            "layout": layouts[fqn],
             "chunks": entry.n_chunks,
             "bytes": entry.nbytes,
         })
@@ -228,6 +231,31 @@ def _plan_summary(plan) -> dict:
         "bytes": sum(s.bytes_written for s in stats),
         "bytes_read": sum(s.bytes_read for s in stats),
     }
+
+
+def keep_layout_spec(src: str | Path, mesh: Any) -> Any:
+    """A target that keeps each tensor's layout and changes only the mesh size (HSDP-style).
+
+    Each tensor's split dims, as inferred from its chunks, go in order onto the last mesh dims
+    (outer mesh dims replicate), with the split rule it was saved with; replicated tensors stay
+    replicated; irregular ones (ragged) are split on dim 0 over the last mesh dim.
+    """
+    from hpckpt.core.layout import LayoutSpec, Replicate, Shard, TensorLayout, infer
+
+    index = open_index(src)
+    layouts = {}
+    for fqn, entry in index.tensors.items():
+        found = infer(entry.shape, (c.box for c in entry.chunks), index.world_size)
+        if found is not None and found.kind == "replicated":
+            splits: list[Any] = []
+        elif found is not None and found.kind == "sharded":
+            splits = [Shard(d, "balanced" if r == "even" else r) for d, r in zip(found.dims, found.rules)]
+        else:
+            splits = [Shard(0)] if entry.shape else []
+        splits = splits[-mesh.ndim:] if splits else []
+        placements = (Replicate(),) * (mesh.ndim - len(splits)) + tuple(splits)
+        layouts[fqn] = TensorLayout(mesh, placements)
+    return LayoutSpec(mesh, layouts=layouts)
 
 
 class Progress:

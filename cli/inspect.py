@@ -64,8 +64,9 @@ def render(doc: dict) -> None:
     if doc["tensors"]:
         write_table(
             f"Tensors ({len(doc['tensors'])})",
-            [("name", "left"), ("dtype", "left"), ("shape", "left"), ("chunks", "right"), ("size", "right")],
-            [(t["fqn"], t["dtype"], _shape(t["shape"]), str(t["chunks"]), human_bytes(t["bytes"])) for t in doc["tensors"]],
+            [("name", "left"), ("dtype", "left"), ("shape", "left"), ("layout", "left"), ("chunks", "right"), ("size", "right")],
+            [(t["fqn"], t["dtype"], _shape(t["shape"]), t["layout"], str(t["chunks"]), human_bytes(t["bytes"]))
+             for t in doc["tensors"]],
         )
     if doc["values"]:
         write_table(

@@ -15,15 +15,21 @@ EXAMPLES = """Examples:
   hpckpt reshard ckpt/ -o out/ --mesh 2x4 --placements R,S0  HSDP: replicate x shard
   hpckpt reshard ckpt/ -o out/ --mesh 2x4 --layout-rules tp.toml   per-tensor placements
   hpckpt reshard ckpt/ -o out/ --layout-file rank0.layout --layout-file rank1.layout
+  hpckpt reshard ckpt/ -o out/ --mesh 2x8 --keep-layout      same layouts, new mesh size
   hpckpt reshard ckpt/ -o out/ --world-size 64 --plan        what each rank reads and writes
   hpckpt reshard ckpt/ -o out/ --world-size 64 --rank 0-15   this machine's share (fan-out)
   hpckpt reshard --finalize out/                             metadata, once every share is done
 """
 
 
-def _spec(world_size, split, mesh, placements, rules, layout_files):
-    from hpckpt.core.layout import LayoutSpec, load_rules, parse_mesh, parse_placements
+def _spec(src, world_size, split, mesh, placements, rules, layout_files, keep_layout):
+    from hpckpt import api
+    from hpckpt.core.layout import LayoutSpec, Mesh, load_rules, parse_mesh, parse_placements
 
+    if keep_layout:
+        if placements or rules or layout_files or (world_size is None) == (mesh is None):
+            raise typer.BadParameter("--keep-layout goes with exactly one of --world-size or --mesh, and nothing else")
+        return api.keep_layout_spec(src, Mesh((world_size,)) if world_size is not None else parse_mesh(mesh))
     chosen = sum(x is not None and x != [] for x in (world_size, mesh, layout_files))
     if chosen != 1 and not (rules and chosen == 0):
         raise typer.BadParameter("give exactly one target: --world-size, --mesh (with --placements or "
@@ -53,6 +59,7 @@ def reshard(
     placements: Optional[str] = typer.Option(None, "--placements", help="Placement per mesh dim, e.g. R,S0."),
     rules: Optional[Path] = typer.Option(None, "--layout-rules", help="TOML file of per-tensor placements (see README)."),
     layout_files: Optional[List[Path]] = typer.Option(None, "--layout-file", help="HyperParallel .layout JSON (repeatable)."),
+    keep_layout: bool = typer.Option(False, "--keep-layout", help="Keep each tensor's layout; change only the mesh size."),
     rank: Optional[List[str]] = typer.Option(None, "--rank", "-r", metavar="R", help="Write only these target ranks (e.g. 3, 0-7); repeatable."),
     finalize: bool = typer.Option(False, "--finalize", help="Write the metadata of a fanned-out reshard."),
     include: Optional[List[str]] = typer.Option(None, "--include", "-i", metavar="GLOB", help="Only entries matching (repeatable)."),
@@ -77,7 +84,7 @@ def reshard(
         if src is None or out is None:
             raise typer.BadParameter("give SRC and -o DST")
         try:
-            spec = _spec(world_size, split, mesh, placements, rules, layout_files)
+            spec = _spec(src, world_size, split, mesh, placements, rules, layout_files, keep_layout)
             ranks = parse_ranks(rank)
             budget = api.parse_size(max_memory)
         except ValueError as exc:

@@ -38,6 +38,7 @@ complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l mesh -x -d 'Targe
 complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l placements -x -d 'Placement per mesh dim, e.g. R,S0.'
 complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l layout-rules -r -F -d 'TOML file of per-tensor placements (see README).'
 complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l layout-file -r -F -d 'HyperParallel .layout JSON (repeatable).'
+complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l keep-layout -d 'Keep each tensor\'s layout; change only the mesh size.'
 complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l rank -s r -x -d 'Write only these target ranks (e.g. 3, 0-7); repeatable.'
 complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l finalize -d 'Write the metadata of a fanned-out reshard.'
 complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l include -s i -x -d 'Only entries matching (repeatable).'

@@ -14,6 +14,7 @@ from hpckpt.core import dtypes
 from hpckpt.core.box import Box
 from hpckpt.core.errors import CorruptMetadataError, MissingFileError, UnknownFormatError
 from hpckpt.core.index import CheckpointIndex, Chunk, TensorEntry, ValueEntry
+from hpckpt.core.layout import inferred_layouts
 from hpckpt.core.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -78,6 +79,7 @@ class HyperParallelAdapter:
                 return cached
         index = self._parse(path, names)
         if use_cache:
+            inferred_layouts(index)  # the snapshot keeps what inspect derives
             index_cache.store(index)
         return index
 

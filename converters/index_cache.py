@@ -24,7 +24,7 @@ from hpckpt.core import dtypes
 from hpckpt.core.index import CheckpointIndex, Chunk, Locator, TensorEntry, ValueEntry
 
 MIN_METADATA_BYTES = 4 * 1024 * 1024
-_MAGIC = b"HPCKPT-INDEX-2\n"
+_MAGIC = b"HPCKPT-INDEX-3\n"
 
 
 def cache_dir() -> Path | None:
@@ -97,7 +97,8 @@ def _encode(index: CheckpointIndex) -> dict:
         "data_files": index.data_files,
         "planner_data": [[k, list(v) if isinstance(v, (list, tuple)) else v] for k, v in (index.planner_data or {}).items()],
         "values": [[v.fqn, v.file, v.offset, v.length, v.encoding] for v in index.values.values()],
-        "tensors": [[e.fqn, e.dtype.name, e.dtype_spelling, list(e.shape), e.n_chunks] for e in index.tensors.values()],
+        "tensors": [[e.fqn, e.dtype.name, e.dtype_spelling, list(e.shape), e.n_chunks, e.layout_hint]
+                    for e in index.tensors.values()],
         "notes": index.notes,
     }
 
@@ -112,11 +113,12 @@ def _decode(header: dict, root: Path, locator: Locator, parse: Callable[[], Chec
             return full[0].tensors[fqn].chunks
         return build
 
-    tensors = {
-        fqn: TensorEntry(fqn, dtypes.BY_NAME[name], tuple(shape), None, spelling,
-                         build=chunks_of(fqn), n_chunks=n_chunks)
-        for fqn, name, spelling, shape, n_chunks in header["tensors"]
-    }
+    tensors = {}
+    for fqn, name, spelling, shape, n_chunks, layout in header["tensors"]:
+        entry = TensorEntry(fqn, dtypes.BY_NAME[name], tuple(shape), None, spelling,
+                            build=chunks_of(fqn), n_chunks=n_chunks)
+        entry.layout_hint = layout
+        tensors[fqn] = entry
     values = {v[0]: ValueEntry(*v) for v in header["values"]}
     planner = {k: tuple(v) if isinstance(v, list) else v for k, v in header["planner_data"]}
     return CheckpointIndex(

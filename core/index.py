@@ -49,7 +49,7 @@ class TensorEntry:
     listing a checkpoint with hundreds of thousands of chunks creates none of them.
     """
 
-    __slots__ = ("fqn", "dtype", "shape", "dtype_spelling", "n_chunks", "_chunks", "_build")
+    __slots__ = ("fqn", "dtype", "shape", "dtype_spelling", "n_chunks", "layout_hint", "_chunks", "_build")
 
     def __init__(self, fqn: str, dtype: DType, shape: tuple[int, ...], chunks: list[Chunk] | None = None,
                  dtype_spelling: str = "", *, build: Callable[[], list[Chunk]] | None = None,
@@ -60,6 +60,7 @@ class TensorEntry:
         self.dtype_spelling = dtype_spelling  # as written in the metadata: "torch.float32", "Float32"
         self._chunks = chunks
         self._build = build
+        self.layout_hint: str | None = None  # the inferred layout, when a snapshot already knows it
         self.n_chunks = len(chunks) if chunks is not None else int(n_chunks or 0)
 
     @property

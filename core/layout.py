@@ -976,3 +976,15 @@ def _flat_contiguous(b: Box, shape: tuple[int, ...]) -> bool:
     while d < len(shape) - 1 and b.sizes[d] == 1:
         d += 1
     return all(b.sizes[e] == shape[e] and b.offsets[e] == 0 for e in range(d + 1, len(shape)))
+
+
+def inferred_layouts(index) -> dict[str, str]:
+    """fqn -> the layout a `CheckpointIndex`'s chunks reveal ("S0/4 balanced", "replicated",
+    "irregular (ragged)"); remembered on each entry, so a snapshot can keep it."""
+    out = {}
+    for fqn, entry in index.tensors.items():
+        if entry.layout_hint is None:
+            found = infer(entry.shape, (c.box for c in entry.chunks), index.world_size)
+            entry.layout_hint = str(found) if found is not None else "invalid"
+        out[fqn] = entry.layout_hint
+    return out

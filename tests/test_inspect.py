@@ -26,7 +26,7 @@ def test_json_document_of_a_real_hyperparallel_checkpoint():
     assert doc["total_bytes"] == sum(f["bytes"] for f in doc["files"])
     lm_head = next(t for t in doc["tensors"] if t["fqn"] == "model.lm_head.weight")
     assert lm_head == {"fqn": "model.lm_head.weight", "dtype": "float32", "dtype_as_written": "torch.float32",
-                       "shape": [5, 4], "chunks": 4, "bytes": 80}
+                       "shape": [5, 4], "layout": "S0/4 ceil", "chunks": 4, "bytes": 80}
     betas = next(v for v in doc["values"] if v["fqn"] == "optimizer.param_groups.0.betas")
     assert (betas["type"], betas["value"]) == ("tuple", [0.9, 0.95])
     assert "shards" not in doc

@@ -1,0 +1,47 @@
+"""Layouts read back from saved chunks: `inspect` prints them and `reshard --keep-layout` keeps them."""
+
+from __future__ import annotations
+
+from _util import FIXTURES, assert_bit_equal, expected_tensors
+
+from hpckpt import api
+from hpckpt.converters import open_index
+from hpckpt.core.layout import Mesh
+from hpckpt.core.read import read_box
+
+# What the fixture README says each tensor was saved with (4 ranks; 2x2 mesh for the 2-D ones).
+SAVED = {
+    "model.embed_tokens.weight": "S0/4 even",
+    "model.layers.0.self_attn.q_proj.weight": "S0/2 even",
+    "model.layers.0.self_attn.o_proj.weight": "S1/2 even",
+    "model.layers.0.mlp.up_proj.weight": "S0/2 even, S1/2 even",
+    "model.layers.0.mlp.down_proj.weight": "S1/4 even",
+    "model.layers.0.mlp.gate_proj.weight": "S0/4 balanced",
+    "model.lm_head.weight": "S0/4 ceil",
+    "model.layers.0.mlp.experts.w1": "irregular (ragged)",
+    "model.norm.weight": "replicated",
+    "optimizer.state.0.step": "replicated",
+}
+
+
+def test_inspect_prints_the_layout_each_tensor_was_saved_with():
+    doc = api.inspect(FIXTURES / "m0-torch-4rank")
+    layouts = {t["fqn"]: t["layout"] for t in doc["tensors"]}
+    for fqn, layout in SAVED.items():
+        assert layouts[fqn] == layout, fqn
+
+
+def test_keep_layout_changes_only_the_mesh_size(tmp_path):
+    fixture = FIXTURES / "m0-torch-4rank"
+    out = tmp_path / "out"
+    api.reshard(fixture, out, api.keep_layout_spec(fixture, Mesh((2, 4))))
+    layouts = {t["fqn"]: t["layout"] for t in api.inspect(out)["tensors"]}
+    assert layouts["model.layers.0.mlp.gate_proj.weight"] == "S0/4 balanced"
+    assert layouts["model.lm_head.weight"] == "S0/4 ceil"
+    assert layouts["model.layers.0.mlp.down_proj.weight"] == "S1/4 even"  # column shards stay column shards
+    assert layouts["model.layers.0.mlp.up_proj.weight"] == "S0/2 even, S1/4 even"
+    assert layouts["model.norm.weight"] == "replicated"
+    index = open_index(out)
+    expected = expected_tensors(fixture)
+    for fqn, entry in index.tensors.items():
+        assert_bit_equal(read_box(index, entry), expected[fqn], fqn)
