@@ -61,15 +61,25 @@ def write_table(title: str, columns: list[tuple[str, str]], rows: list[tuple[str
 
 
 class TerminalProgress:
-    """rich progress (bytes, rate, ETA) on stderr, only when stderr is a terminal."""
+    """rich progress (bytes, rate, ETA) on stderr, only when enabled and stderr is a terminal.
 
-    def __init__(self, description: str):
+    Use as a context manager around the work; the command calls `start(total)` and `advance(n)`.
+    """
+
+    def __init__(self, description: str, enabled: bool = True):
         self.description = description
+        self.enabled = enabled
         self._progress = None
         self._task = None
 
+    def __enter__(self) -> "TerminalProgress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def start(self, total: int) -> None:
-        if not sys.stderr.isatty():
+        if not self.enabled or not sys.stderr.isatty():
             return
         from rich.progress import (BarColumn, DownloadColumn, Progress, TimeRemainingColumn,
                                    TransferSpeedColumn)

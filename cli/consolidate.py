@@ -43,14 +43,10 @@ def consolidate(
         api.parse_size(max_shard_size)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    progress = None if json_output else TerminalProgress("consolidate")
-    try:
+    with TerminalProgress("consolidate", enabled=not json_output) as progress:
         report = api.consolidate(src, out, fmt, include=include or (), exclude=exclude or (), dtype=dtype,
                                  max_shard_size=max_shard_size, force=force, jobs=jobs, max_memory=budget,
                                  progress=progress)
-    finally:
-        if progress is not None:
-            progress.stop()
     if json_output:
         emit_json(report)
     else:

@@ -89,14 +89,10 @@ def reshard(
             budget = api.parse_size(max_memory)
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
-        progress = None if json_output or dry_run else TerminalProgress("reshard")
-        try:
+        with TerminalProgress("reshard", enabled=not json_output) as progress:
             report = api.reshard(src, out, spec, include=include or (), exclude=exclude or (), ranks=ranks,
                                  force=force, jobs=jobs, max_memory=budget, framework=framework, dtype=dtype,
                                  dry_run=dry_run, progress=progress)
-        finally:
-            if progress is not None:
-                progress.stop()
     if json_output:
         emit_json(report)
     else:

@@ -170,7 +170,8 @@ class _Source:
                 build = functools.partial(self.chunks, fqn, item)
                 entry = tensors.get(fqn)
                 if entry is None:
-                    tensors[fqn] = TensorEntry(fqn, dtype, shape, None, spelling, build=build, n_chunks=len(item.chunks))
+                    tensors[fqn] = TensorEntry(fqn, dtype, shape, None, spelling, build=build, n_chunks=len(item.chunks),
+                                               build_boxes=functools.partial(_boxes, item))
                 elif entry.dtype != dtype or entry.shape != shape:
                     raise CorruptMetadataError(
                         f"{self.name}: tensor {fqn} is {dtype}{list(shape)} here but "
@@ -178,6 +179,7 @@ class _Source:
                     )
                 else:
                     entry._build = _concat(entry._build, build)
+                    entry._build_boxes = None
                     entry.n_chunks += len(item.chunks)
             elif isinstance(item, BytesStorageMetadata):
                 info = storage.get(MetadataIndex(fqn))
@@ -186,6 +188,10 @@ class _Source:
                 values.setdefault(fqn, ValueEntry(fqn, info.relative_path, int(info.offset), int(info.length)))
             else:
                 raise CorruptMetadataError(f"{self.name}: entry {fqn} has unexpected type {type(item).__name__}")
+
+
+def _boxes(item: TensorStorageMetadata) -> list[Box]:
+    return [Box(tuple(map(int, c.offsets)), tuple(map(int, c.sizes))) for c in item.chunks]
 
 
 def _concat(first, second):

@@ -10,9 +10,13 @@ import math
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class Box:
-    """A region of a tensor; pure ints so that plans are printable, comparable and hashable."""
+    """A region of a tensor; pure ints so that plans are printable, comparable and hashable.
+
+    Treat as immutable (it is hashed). Not declared frozen because a frozen dataclass takes 2.5x
+    longer to build, and checkpoints have hundreds of thousands of chunks.
+    """
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -45,9 +49,12 @@ class Box:
 
     def inside(self, shape: tuple[int, ...]) -> bool:
         """True when the box lies within a tensor of global `shape` (same rank, no negatives)."""
-        return len(shape) == self.ndim and all(
-            o >= 0 and s >= 0 and o + s <= n for o, s, n in zip(self.offsets, self.sizes, shape)
-        )
+        if len(shape) != len(self.sizes) or len(self.offsets) != len(self.sizes):
+            return False
+        for o, s, n in zip(self.offsets, self.sizes, shape):
+            if o < 0 or s < 0 or o + s > n:
+                return False
+        return True
 
     def relative_to(self, outer: "Box") -> "Box":
         """Return this box in the local coordinates of `outer` (which must contain it)."""

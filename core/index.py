@@ -49,17 +49,19 @@ class TensorEntry:
     listing a checkpoint with hundreds of thousands of chunks creates none of them.
     """
 
-    __slots__ = ("fqn", "dtype", "shape", "dtype_spelling", "n_chunks", "layout_hint", "_chunks", "_build")
+    __slots__ = ("fqn", "dtype", "shape", "dtype_spelling", "n_chunks", "layout_hint", "_chunks", "_build",
+                 "_build_boxes")
 
     def __init__(self, fqn: str, dtype: DType, shape: tuple[int, ...], chunks: list[Chunk] | None = None,
                  dtype_spelling: str = "", *, build: Callable[[], list[Chunk]] | None = None,
-                 n_chunks: int | None = None):
+                 n_chunks: int | None = None, build_boxes: Callable[[], list[Box]] | None = None):
         self.fqn = fqn
         self.dtype = dtype
         self.shape = shape
         self.dtype_spelling = dtype_spelling  # as written in the metadata: "torch.float32", "Float32"
         self._chunks = chunks
         self._build = build
+        self._build_boxes = build_boxes
         self.layout_hint: str | None = None  # the inferred layout, when a snapshot already knows it
         self.n_chunks = len(chunks) if chunks is not None else int(n_chunks or 0)
 
@@ -69,6 +71,13 @@ class TensorEntry:
             self._chunks = self._build() if self._build else []
             self._build = None
         return self._chunks
+
+    @property
+    def boxes(self) -> list[Box]:
+        """The stored boxes alone; cheaper than `chunks` when the adapter can list them directly."""
+        if self._chunks is None and self._build_boxes is not None:
+            return self._build_boxes()
+        return [c.box for c in self.chunks]
 
     @property
     def nbytes(self) -> int:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import functools
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -933,6 +934,16 @@ def infer(entry_shape: Sequence[int], chunk_boxes: Iterable[Box], world_size: in
     return InferredLayout("sharded", tuple(split_dims), tuple(n for n, _ in found), tuple(r for _, r in found))
 
 
+@functools.lru_cache(maxsize=4096)
+def _all_splits_cached(length: int, parts: int, rule: str) -> tuple[tuple[int, int], ...]:
+    return tuple(split(length, parts, i, rule) for i in range(parts))
+
+
+def _all_splits(length: int, parts: int, rule: str) -> list[tuple[int, int]]:
+    """Every part of a split; cached, since a checkpoint's tensors share a few (length, parts)."""
+    return list(_all_splits_cached(length, parts, rule))
+
+
 def _match_split(length: int, intervals: list[tuple[int, int]], world_size: int | None) -> tuple[int, str] | None:
     """Find `(parts, rule)` whose split of `length` gives exactly these intervals."""
     nonempty = [iv for iv in intervals if iv[1] > 0]
@@ -945,7 +956,7 @@ def _match_split(length: int, intervals: list[tuple[int, int]], world_size: int 
         candidates = ([world_size] if world_size and world_size > k else []) + [k + 1]
     for n in candidates:
         expected = nonempty + [(length, 0)] * (n - len(nonempty))
-        ok = [r for r in RULES if all(split(length, n, i, r) == expected[i] for i in range(n))]
+        ok = [r for r in RULES if _all_splits(length, n, r) == expected]
         if ok:
             return n, ("even" if len(ok) == 2 else ok[0])
     return None
@@ -984,7 +995,7 @@ def inferred_layouts(index) -> dict[str, str]:
     out = {}
     for fqn, entry in index.tensors.items():
         if entry.layout_hint is None:
-            found = infer(entry.shape, (c.box for c in entry.chunks), index.world_size)
+            found = infer(entry.shape, entry.boxes, index.world_size)
             entry.layout_hint = str(found) if found is not None else "invalid"
         out[fqn] = entry.layout_hint
     return out
