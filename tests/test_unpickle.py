@@ -11,7 +11,6 @@ HyperParallel's classes (field lists copied from the format spec, section 3.2).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import json
@@ -20,81 +19,33 @@ import pickletools
 import struct
 import subprocess
 import sys
-import types
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _util import FIXTURE_NAMES, FIXTURES
+from hp_reference import (
+    HP_CLASSES,
+    HP_META,
+    HP_STORAGE,
+    LEGACY_META,
+    LEGACY_STORAGE,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+    hp_modules,
+)
 
 from hpckpt.core import dtypes
 from hpckpt.core import metadata as hm
 from hpckpt.core.errors import CorruptMetadataError, UnsafePickleError
 from hpckpt.core.unpickle import loads, pickle_globals, safe_global
 
-HP_META = "hyper_parallel.core.distributed_checkpoint.metadata"
-HP_STORAGE = "hyper_parallel.core.distributed_checkpoint.storage"
-LEGACY_META = "hyper_parallel.core.checkpoint.metadata"
-LEGACY_STORAGE = "hyper_parallel.core.checkpoint.storage"
-
 # --------------------------------------------------------------------------------------------
-# Independent stand-ins for HyperParallel's classes (format spec 3.2), and a plain reader.
+# A plain reader into the independent stand-ins of HyperParallel's classes (from `hp_reference`).
 
-
-@dataclass(frozen=True)
-class ChunkStorageMetadata:
-    offsets: tuple
-    sizes: tuple
-
-
-@dataclass(frozen=True)
-class TensorProperties:
-    dtype: str
-    requires_grad: bool = False
-    memory_format: Any = None
-
-
-@dataclass(frozen=True)
-class TensorStorageMetadata:
-    properties: TensorProperties
-    size: tuple
-    chunks: list = field(default_factory=list)
-
-
-@dataclass
-class BytesStorageMetadata:
-    pass
-
-
-@dataclass(frozen=True)
-class MetadataIndex:
-    fqn: str
-    offset: tuple = ()
-    index: Any = field(default=None, compare=False, hash=False)
-
-
-@dataclass
-class StorageInfo:
-    relative_path: str
-    offset: int
-    length: int
-    tensor_key: Any = None
-
-
-@dataclass
-class Metadata:
-    state_dict_metadata: dict
-    planner_data: Any = None
-    storage_data: Any = None
-    version: str = "1.0"
-
-
-STAND_INS = {
-    HP_META: {c.__name__: c for c in (Metadata, TensorStorageMetadata, TensorProperties, ChunkStorageMetadata,
-                                      BytesStorageMetadata, MetadataIndex)},
-    HP_STORAGE: {"StorageInfo": StorageInfo},
-}
+STAND_INS = {module: {c.__name__: c for c in classes} for module, classes in HP_CLASSES.items()}
 STAND_INS[LEGACY_META] = STAND_INS[HP_META]
 STAND_INS[LEGACY_STORAGE] = STAND_INS[HP_STORAGE]
 
@@ -112,31 +63,6 @@ class StandInUnpickler(pickle.Unpickler):
 
 def stand_in_load(data: bytes) -> Any:
     return StandInUnpickler(io.BytesIO(data)).load()
-
-
-@contextlib.contextmanager
-def hp_modules():
-    """The stand-ins importable under HyperParallel's current module names (for pickling them)."""
-    names = ["hyper_parallel", "hyper_parallel.core", "hyper_parallel.core.distributed_checkpoint", HP_META, HP_STORAGE]
-    saved = {name: sys.modules.get(name) for name in names}
-    originals = {}
-    for name in names:
-        sys.modules[name] = types.ModuleType(name)
-    for module in (HP_META, HP_STORAGE):
-        for cls in STAND_INS[module].values():
-            originals[cls] = cls.__module__
-            cls.__module__ = module
-            setattr(sys.modules[module], cls.__name__, cls)
-    try:
-        yield
-    finally:
-        for cls, module in originals.items():
-            cls.__module__ = module
-        for name, old in saved.items():
-            if old is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = old
 
 
 def metadata_files() -> list[Path]:

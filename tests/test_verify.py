@@ -1,31 +1,26 @@
 """`hpckpt verify`: every finding listed, boxes for gaps and overlaps, the lowest exit code wins.
 
 Inputs are the real HyperParallel fixtures (copied to tmp_path before any change) and small
-checkpoints written here by an independent writer (stand-in classes under HyperParallel's
-module names, pickled by the stock pickler; data files by the `safetensors` library), so a bug in
-hpckpt's own writer cannot hide a bug in verify. Runs go through typer's CliRunner; one
+checkpoints written here by the independent writer in `hp_reference` (stand-in classes under
+HyperParallel's module names, pickled by the stock pickler; data files by the `safetensors`
+library), so a bug in hpckpt's own writer cannot hide a bug in verify. Runs go through typer's CliRunner; one
 representative run uses the real console entry point in a subprocess.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import pickle
-import shutil
 import struct
 import subprocess
 import sys
-import types
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from _util import FIXTURE_NAMES, FIXTURES
-from safetensors.numpy import save_file
+from hp_reference import copy_fixture, write_hp
 from typer.testing import CliRunner
 
 import hpckpt
@@ -33,127 +28,7 @@ from hpckpt.cli.app import app
 from hpckpt.core.errors import EXIT_CODE_BY_KIND
 
 # --------------------------------------------------------------------------------------------
-# An independent HyperParallel writer: field lists from the format spec, section 3.2.
-
-HP_META = "hyper_parallel.core.distributed_checkpoint.metadata"
-HP_STORAGE = "hyper_parallel.core.distributed_checkpoint.storage"
-
-
-@dataclass(frozen=True)
-class ChunkStorageMetadata:
-    offsets: tuple
-    sizes: tuple
-
-
-@dataclass(frozen=True)
-class TensorProperties:
-    dtype: str
-    requires_grad: bool = False
-    memory_format: Any = None
-
-
-@dataclass(frozen=True)
-class TensorStorageMetadata:
-    properties: TensorProperties
-    size: tuple
-    chunks: list = field(default_factory=list)
-
-
-@dataclass
-class BytesStorageMetadata:
-    pass
-
-
-@dataclass(frozen=True)
-class MetadataIndex:
-    fqn: str
-    offset: tuple = ()
-    index: Any = field(default=None, compare=False, hash=False)
-
-
-@dataclass
-class StorageInfo:
-    relative_path: str
-    offset: int
-    length: int
-    tensor_key: Any = None
-
-
-@dataclass
-class Metadata:
-    state_dict_metadata: dict
-    planner_data: Any = None
-    storage_data: Any = None
-    version: str = "1.0"
-
-
-_HP_CLASSES = {
-    HP_META: (Metadata, TensorStorageMetadata, TensorProperties, ChunkStorageMetadata,
-              BytesStorageMetadata, MetadataIndex),
-    HP_STORAGE: (StorageInfo,),
-}
-for _module, _classes in _HP_CLASSES.items():
-    for _cls in _classes:
-        _cls.__module__ = _module
-
-
-@contextlib.contextmanager
-def hp_modules():
-    """Make the stand-ins importable under HyperParallel's module names, for this block only."""
-    names = ["hyper_parallel", "hyper_parallel.core", "hyper_parallel.core.distributed_checkpoint", *_HP_CLASSES]
-    saved = {name: sys.modules.get(name) for name in names}
-    for name in names:
-        sys.modules[name] = types.ModuleType(name)
-    for module, classes in _HP_CLASSES.items():
-        for cls in classes:
-            setattr(sys.modules[module], cls.__name__, cls)
-    try:
-        yield
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = old
-
-
-def write_hp(root: Path, tensors: dict, values: dict | None = None) -> Path:
-    """Write a HyperParallel checkpoint into `root`.
-
-    tensors: fqn -> (dtype string, global shape, [(file, key, offsets, array[, sizes])]) where
-    `sizes` (default: the array's shape) is what the metadata claims; values: fqn -> (file, payload).
-    """
-    root.mkdir(parents=True, exist_ok=True)
-    state: dict = {}
-    storage: dict = {}
-    files: dict[str, dict[str, np.ndarray]] = {}
-    for fqn, (dtype, shape, chunks) in tensors.items():
-        metas = []
-        for i, (file, key, offsets, array, *sizes) in enumerate(chunks):
-            files.setdefault(file, {})[key] = np.ascontiguousarray(array)
-            metas.append(ChunkStorageMetadata(tuple(offsets), tuple(sizes[0] if sizes else array.shape)))
-            storage[MetadataIndex(fqn, tuple(offsets), i)] = StorageInfo(file, 0, -1, key)
-        state[fqn] = TensorStorageMetadata(TensorProperties(dtype), tuple(shape), metas)
-    for file, content in files.items():
-        save_file(content, str(root / file))
-    for fqn, (file, payload) in (values or {}).items():
-        path = root / file
-        offset = path.stat().st_size if path.exists() else 0
-        with open(path, "ab") as f:
-            f.write(payload)
-        state[fqn] = BytesStorageMetadata()
-        storage[MetadataIndex(fqn)] = StorageInfo(file, offset, len(payload))
-    with hp_modules():
-        data = pickle.dumps(Metadata(state, {fqn: (fqn,) for fqn in state}, storage), protocol=4)
-    (root / ".metadata").write_bytes(data)
-    return root
-
-
-def copy_fixture(name: str, dest: Path) -> Path:
-    """A writable copy of a read-only fixture."""
-    shutil.copytree(FIXTURES / name, dest, copy_function=shutil.copyfile)
-    os.chmod(dest, 0o755)
-    return dest
+# Checkpoints written here (by the independent writer in `hp_reference`) and edits to copies.
 
 
 def edit_header(path: Path, edit) -> None:
