@@ -38,8 +38,8 @@ def handles_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
-        except (typer.Exit, typer.Abort):
-            raise
+        except (typer.Exit, typer.Abort, typer.TyperException):
+            raise  # typer's own: exits, aborts and usage errors (exit 2)
         except HpckptError as exc:
             if debug_enabled():
                 raise

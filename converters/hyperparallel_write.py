@@ -47,7 +47,10 @@ def write_checkpoint(root: Path, tensors: dict[str, tuple[DType, tuple[int, ...]
     values = values or {}
     per_rank: dict[int, list[tuple[str, ChunkData]]] = defaultdict(list)
     for fqn, (_dtype, _shape, chunks) in tensors.items():
+        starts = {c.box.offsets for c in chunks if not c.box.is_empty}
         for chunk in chunks:
+            if chunk.box.is_empty and chunk.box.offsets in starts:
+                continue  # holds nothing, and would share the metadata key of the non-empty one
             per_rank[chunk.rank].append((fqn, chunk))
     state: dict[str, Any] = {}
     storage: dict[MetadataIndex, StorageInfo] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from hpckpt.converters.data_files import DataFileLocator
@@ -38,11 +39,16 @@ def index_safetensors_files(root: Path, files: list[str], fmt: str) -> Checkpoin
     )
 
 
+_RANK_FILE = re.compile(r"^_rank\d+_\.safetensors$")
+
+
 def _single_file(path: Path) -> Path | None:
     if path.is_file():
         return path
     if path.is_dir():
-        candidates = sorted(path.glob("*.safetensors"))
+        # `_rank{r}_.safetensors` alone is a HyperParallel rank file whose metadata is missing
+        # (an interrupted save), not a one-file checkpoint.
+        candidates = [p for p in sorted(path.glob("*.safetensors")) if not _RANK_FILE.match(p.name)]
         if len(candidates) == 1 and not (path / "model.safetensors.index.json").exists():
             return candidates[0]
     return None

@@ -179,7 +179,12 @@ def _assign_owners(tensors: list[TensorEntry], layout_of: Callable[[TensorEntry]
                 if not box.inside(entry.shape):
                     raise GeometryError(f"{entry.fqn}: target box {box} of rank {rank} lies outside {list(entry.shape)}")
                 holders.setdefault(box, []).append(rank)
+        # An empty box that starts where a non-empty one does holds nothing, and would share the
+        # non-empty one's metadata key (fqn + offsets): leave it out.
+        starts = {box.offsets for box in holders if not box.is_empty}
         for box, ranks in holders.items():
+            if box.is_empty and box.offsets in starts:
+                continue
             if len(ranks) == 1:
                 owned[ranks[0]].append((entry, box))
                 load[ranks[0]] += box.volume * entry.dtype.itemsize
