@@ -48,8 +48,9 @@ def _single_file(path: Path) -> Path | None:
     if path.is_dir():
         # `_rank{r}_.safetensors` alone is a HyperParallel rank file whose metadata is missing
         # (an interrupted save), not a one-file checkpoint.
-        candidates = [p for p in sorted(path.glob("*.safetensors")) if not _RANK_FILE.match(p.name)]
-        if len(candidates) == 1 and not (path / "model.safetensors.index.json").exists():
+        candidates = sorted(path.glob("*.safetensors"))
+        alone = len(candidates) == 1 and not _RANK_FILE.match(candidates[0].name)
+        if alone and not (path / "model.safetensors.index.json").exists():
             return candidates[0]
     return None
 
