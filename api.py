@@ -269,7 +269,7 @@ class Progress:
 def reshard(src: str | Path, dst: str | Path, spec: Any, *, include: Iterable[str] = (),
             exclude: Iterable[str] = (), ranks: Iterable[int] | None = None, force: bool = False,
             jobs: int | None = None, max_memory: int | None = None, framework: str | None = None,
-            dtype: str | None = None, dry_run: bool = False, progress=None) -> dict:
+            dtype: str | None = None, dry_run: bool = False, progress=None, sync: bool = True) -> dict:
     """Reshard `src` into a HyperParallel DCP checkpoint at `dst` laid out by `spec`.
 
     With `ranks`, only those target ranks' files are written (fan-out); `finalize(dst)` writes
@@ -291,12 +291,12 @@ def reshard(src: str | Path, dst: str | Path, spec: Any, *, include: Iterable[st
         progress.start(summary["bytes"])
     options = dict(jobs=jobs, max_memory=max_memory or engine.DEFAULT_MAX_MEMORY,
                    progress=progress.advance if progress is not None else None,
-                   file_metadata={"format": "ms"} if framework == "mindspore" else None)
+                   file_metadata={"format": "ms"} if framework == "mindspore" else None, sync=sync)
     metadata_bytes = dumps_metadata(plan.metadata)
     if ranks is None:
-        with StagingDir(Path(dst), force=force) as staging:
+        with StagingDir(Path(dst), force=force, sync=sync) as staging:
             engine.execute(plan, index, staging.path, **options)
-            write_durably(staging.path / ".metadata", metadata_bytes)
+            write_durably(staging.path / ".metadata", metadata_bytes, sync)
             staging.commit()
     else:
         _write_fragment(plan, index, Path(dst), metadata_bytes, options)
@@ -388,7 +388,8 @@ def _values_document(index, names: list[str]) -> dict:
 
 def consolidate(src: str | Path, out: str | Path, fmt: str = "safetensors", *, include: Iterable[str] = (),
                 exclude: Iterable[str] = (), dtype: str | None = None, max_shard_size: str | int = "5GB",
-                force: bool = False, jobs: int | None = None, max_memory: int | None = None, progress=None) -> dict:
+                force: bool = False, jobs: int | None = None, max_memory: int | None = None, progress=None,
+                sync: bool = True) -> dict:
     """Merge `src` into whole tensors: one safetensors file, Hugging Face shards, a torch.save
     file or a one-rank HyperParallel checkpoint. Non-tensor values go into the pt file, or into a
     JSON side file (`values.json` / `<name>.values.json`) for the safetensors formats.
@@ -399,7 +400,7 @@ def consolidate(src: str | Path, out: str | Path, fmt: str = "safetensors", *, i
     from hpckpt.core import dtypes, engine
     from hpckpt.core.errors import DestinationExistsError
     from hpckpt.core.plan import TargetFile, plan_whole_tensors
-    from hpckpt.core.staging import StagingDir, write_durably
+    from hpckpt.core.staging import StagingDir, fsync_files, write_durably
 
     if fmt not in CONSOLIDATE_FORMATS:
         raise ValueError(f"unknown format {fmt!r}: choose one of {', '.join(CONSOLIDATE_FORMATS)}")
@@ -408,7 +409,7 @@ def consolidate(src: str | Path, out: str | Path, fmt: str = "safetensors", *, i
         from hpckpt.core.layout import LayoutSpec
 
         report = reshard(src, out, LayoutSpec.for_world_size(1), include=include, exclude=exclude, force=force,
-                         jobs=jobs, max_memory=max_memory, dtype=dtype, progress=progress)
+                         jobs=jobs, max_memory=max_memory, dtype=dtype, progress=progress, sync=sync)
         return {**report, "command": "consolidate", "format": fmt}
     started = time.perf_counter()
     index = open_index(src)
@@ -429,23 +430,25 @@ def consolidate(src: str | Path, out: str | Path, fmt: str = "safetensors", *, i
         progress.start(written)
     advance = progress.advance if progress is not None else (lambda n: None)
     if fmt == "hf":
-        with StagingDir(out, force=force) as staging:
+        with StagingDir(out, force=force, sync=sync) as staging:
             from concurrent.futures import ThreadPoolExecutor
 
             n_jobs = max(1, jobs or engine.default_jobs())
             with ThreadPoolExecutor(n_jobs) as pool:
                 futures = [pool.submit(engine.write_target_file, staging.path / f.name, f, index,
                                        budget=max(1, budget // n_jobs), progress=advance,
-                                       metadata={"format": "pt"}) for f in files]
+                                       metadata={"format": "pt"}, sync=sync) for f in files]
                 for future in futures:
                     future.result()
+            if sync:
+                fsync_files(staging.path / f.name for f in files)
             weight_map = {t.key: f.name for f in files for t in f.tensors}
             document = {"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}
             write_durably(staging.path / "model.safetensors.index.json",
-                          (_json.dumps(document, indent=2, sort_keys=True) + "\n").encode())
+                          (_json.dumps(document, indent=2, sort_keys=True) + "\n").encode(), sync)
             if value_names:
                 write_durably(staging.path / "values.json",
-                              (_json.dumps(_values_document(index, value_names), indent=1) + "\n").encode())
+                              (_json.dumps(_values_document(index, value_names), indent=1) + "\n").encode(), sync)
             staging.commit()
         return {**_run_report("consolidate", src, out, started, written, read), "format": fmt, "files": len(files) + 1}
     if out.exists() and not force:
@@ -453,29 +456,31 @@ def consolidate(src: str | Path, out: str | Path, fmt: str = "safetensors", *, i
     out.parent.mkdir(parents=True, exist_ok=True)
     target: TargetFile = files[0]
     if fmt == "pt":
-        _write_pt(out, target, index, value_names, budget, advance)
+        _write_pt(out, target, index, value_names, budget, advance, sync)
     else:
         tmp = out.parent / f".{out.name}.hpckpt-tmp-{os.getpid()}"
         try:
             engine.write_target_file(tmp, target, index, budget=budget, progress=advance,
-                                     metadata={"format": "pt"})
+                                     metadata={"format": "pt"}, sync=sync)
+            if sync:
+                fsync_files([tmp])
             os.replace(tmp, out)
         finally:
             tmp.unlink(missing_ok=True)
         if value_names:
             side = out.with_name(out.name.removesuffix(".safetensors") + ".values.json")
-            write_durably(side, (_json.dumps(_values_document(index, value_names), indent=1) + "\n").encode())
+            write_durably(side, (_json.dumps(_values_document(index, value_names), indent=1) + "\n").encode(), sync)
     return {**_run_report("consolidate", src, out, started, written, read), "format": fmt}
 
 
-def _write_pt(out: Path, target, index, value_names: list[str], budget: int, progress) -> None:
+def _write_pt(out: Path, target, index, value_names: list[str], budget: int, progress, sync: bool) -> None:
     """Stream a torch.save file: tensors in checkpoint order, then the values; peak memory is one
     tile (`budget`) plus the pickle of the names."""
     from hpckpt.core.engine import TileCopier
     from hpckpt.core.read import OpenFiles
     from hpckpt.core.torch_save_writer import TorchSaveWriter
 
-    with TorchSaveWriter(out) as writer:
+    with TorchSaveWriter(out, fsync=sync) as writer:
         for t in target.tensors:
             writer.add_tensor(t.key, t.dtype, t.box.sizes)
         for fqn in value_names:

@@ -29,6 +29,7 @@ def consolidate(
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="hf: largest shard (5GB = 5*10^9 bytes, 4GiB = 4*2^30)."),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Files written in parallel (hf)."),
     max_memory: str = typer.Option("256MiB", "--max-memory", help="Memory budget for copy buffers."),
+    no_fsync: bool = typer.Option(False, "--no-fsync", help="Skip fsync: faster; still safe if killed, not on power loss."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
@@ -46,7 +47,7 @@ def consolidate(
     with TerminalProgress("consolidate", enabled=not json_output) as progress:
         report = api.consolidate(src, out, fmt, include=include or (), exclude=exclude or (), dtype=dtype,
                                  max_shard_size=max_shard_size, force=force, jobs=jobs, max_memory=budget,
-                                 progress=progress)
+                                 progress=progress, sync=not no_fsync)
     if json_output:
         emit_json(report)
     else:

@@ -68,6 +68,7 @@ def reshard(
     framework: Optional[str] = typer.Option(None, "--framework", help="dtype strings as torch or mindspore writes them (default: the source's)."),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Files written in parallel (default: cores, at most 8)."),
     max_memory: str = typer.Option("256MiB", "--max-memory", help="Memory budget for copy buffers."),
+    no_fsync: bool = typer.Option(False, "--no-fsync", help="Skip fsync: faster; still safe if killed, not on power loss."),
     force: bool = typer.Option(False, "--force", help="Replace an existing destination."),
     dry_run: bool = typer.Option(False, "--plan", "--dry-run", help="Print what each target rank reads and writes; copy nothing."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON document."),
@@ -92,7 +93,7 @@ def reshard(
         with TerminalProgress("reshard", enabled=not json_output) as progress:
             report = api.reshard(src, out, spec, include=include or (), exclude=exclude or (), ranks=ranks,
                                  force=force, jobs=jobs, max_memory=budget, framework=framework, dtype=dtype,
-                                 dry_run=dry_run, progress=progress)
+                                 dry_run=dry_run, progress=progress, sync=not no_fsync)
     if json_output:
         emit_json(report)
     else:

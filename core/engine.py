@@ -26,6 +26,7 @@ from hpckpt.core.cast import cast
 from hpckpt.core.index import CheckpointIndex, Location
 from hpckpt.core.plan import Plan, TargetFile, TargetTensor
 from hpckpt.core.read import OpenFiles, read_region
+from hpckpt.core.staging import fsync_files, start_writeback
 
 DEFAULT_MAX_MEMORY = 256 * 1024 * 1024
 Progress = Callable[[int], None]
@@ -179,8 +180,11 @@ def safetensors_header(target: TargetFile, metadata: dict[str, str] | None = Non
 
 
 def write_target_file(path: Path, target: TargetFile, index: CheckpointIndex, *, budget: int,
-                      progress: Progress, metadata: dict[str, str] | None = None) -> None:
-    """Write one safetensors file of the plan: header first, then every tensor in place; fsync."""
+                      progress: Progress, metadata: dict[str, str] | None = None, sync: bool = True) -> None:
+    """Write one safetensors file of the plan: header first, then every tensor in place.
+
+    With `sync`, its writeback is started here; the caller fsyncs it (see `execute`).
+    """
     head, offsets = safetensors_header(target, metadata)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -190,7 +194,8 @@ def write_target_file(path: Path, target: TargetFile, index: CheckpointIndex, *,
             writer = TileCopier(index, files, fd, budget, progress)
             for t, offset in zip(target.tensors, offsets):
                 writer.write(t, len(head) + offset)
-        os.fsync(fd)
+        if sync:
+            start_writeback(fd)
     finally:
         os.close(fd)
 
@@ -200,14 +205,13 @@ def write_values(path: Path, values: list[tuple[str, bytes]]) -> None:
     with open(path, "wb") as f:
         for _fqn, payload in values:
             f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def execute(plan: Plan, index: CheckpointIndex, out_dir: Path, *, jobs: int | None = None,
             max_memory: int = DEFAULT_MAX_MEMORY, progress: Progress | None = None,
-            file_metadata: dict[str, str] | None = None) -> None:
-    """Write every tensor file and the values file of `plan` into `out_dir` (metadata excluded)."""
+            file_metadata: dict[str, str] | None = None, sync: bool = True) -> None:
+    """Write every tensor file and the values file of `plan` into `out_dir` (metadata excluded);
+    with `sync`, all of them are on disk when this returns."""
     jobs = max(1, jobs or default_jobs())
     lock = threading.Lock()
 
@@ -217,10 +221,14 @@ def execute(plan: Plan, index: CheckpointIndex, out_dir: Path, *, jobs: int | No
                 progress(n)
 
     budget = max(1, max_memory // jobs)
+    written = [out_dir / f.name for f in plan.files]
     if plan.values and plan.values_rank in plan.producing:
         write_values(out_dir / f"_rank{plan.values_rank}_.bytes", plan.values)
+        written.append(out_dir / f"_rank{plan.values_rank}_.bytes")
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = [pool.submit(write_target_file, out_dir / f.name, f, index, budget=budget,
-                               progress=report, metadata=file_metadata) for f in plan.files]
+                               progress=report, metadata=file_metadata, sync=sync) for f in plan.files]
         for future in futures:
             future.result()
+    if sync:
+        fsync_files(written)
