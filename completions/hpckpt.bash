@@ -15,8 +15,8 @@ _hpckpt_options() {
         hpckpt) _hpckpt_words=(--debug --version --help -h) ;;
         'hpckpt inspect') _hpckpt_words=(--include -i --exclude -x --shards -s --no-values --json --help -h) ;;
         'hpckpt verify') _hpckpt_words=(--strict --json --help -h) ;;
-        'hpckpt reshard') _hpckpt_words=(--output -o --world-size -w --split --mesh --placements --layout-rules --layout-file --keep-layout --rank -r --finalize --include -i --exclude -x --dtype --framework --jobs -j --max-memory --force --dry-run --plan --json --help -h) ;;
-        'hpckpt consolidate') _hpckpt_words=(--output -o --format -f --include -i --exclude -x --dtype --max-shard-size --jobs -j --max-memory --force --json --help -h) ;;
+        'hpckpt reshard') _hpckpt_words=(--output -o --world-size -w --split --mesh --placements --layout-rules --layout-file --keep-layout --rank -r --finalize --include -i --exclude -x --dtype --framework --jobs -j --max-memory --no-fsync --force --dry-run --plan --json --help -h) ;;
+        'hpckpt consolidate') _hpckpt_words=(--output -o --format -f --include -i --exclude -x --dtype --max-shard-size --jobs -j --max-memory --no-fsync --force --json --help -h) ;;
         'hpckpt env') _hpckpt_words=(--json --help -h) ;;
         'hpckpt completion') _hpckpt_words=(--help -h) ;;
         *) _hpckpt_words=() ;;
