@@ -112,9 +112,7 @@ class TileCopier:
     def write(self, target: TargetTensor, base: int) -> None:
         """Fill the tensor at byte `base` of the output file, tile by tile."""
         for tile, dest, parts in self._tiles(target, base):
-            source = target.source_dtype or target.dtype
-            if (source == target.dtype and len(parts) == 1 and parts[0][1] == tile
-                    and self._direct(parts[0][0], tile, target, dest)):
+            if target.source_dtype is None and self._direct(parts, tile, target, dest):
                 continue
             data = self._gather(target, tile, parts)
             written = 0
@@ -150,16 +148,23 @@ class TileCopier:
             buffer = np.require(cast(buffer, source, target.dtype), requirements="C")
         return memoryview(buffer.reshape(-1).view(np.uint8))
 
-    def _direct(self, piece, tile: Box, target: TargetTensor, dest: int) -> bool:
-        """Copy a tile that is one contiguous run of one source chunk in the kernel."""
-        loc = self._location(piece, target)
-        local = tile.relative_to(piece.chunk.box)
-        if loc.strides is not None or not _contiguous_in(local, piece.chunk.box.sizes):
-            return False
-        start = loc.offset + _linear(local.offsets, piece.chunk.box.sizes) * target.dtype.itemsize
-        count = tile.volume * target.dtype.itemsize
-        _copy_range(self.files.fd(loc.path), self.out_fd, count, start, dest)
-        self.progress(count)
+    def _direct(self, parts, tile: Box, target: TargetTensor, dest: int) -> bool:
+        """Copy a tile in the kernel when each of its pieces is one contiguous byte run both in
+        its source chunk and in the tile (e.g. row shards of a whole tensor); else do nothing."""
+        itemsize = target.dtype.itemsize
+        runs = []
+        for piece, region in parts:
+            loc = self._location(piece, target)
+            local = region.relative_to(piece.chunk.box)
+            in_tile = region.relative_to(tile)
+            if (loc.strides is not None or not _contiguous_in(local, piece.chunk.box.sizes)
+                    or not _contiguous_in(in_tile, tile.sizes)):
+                return False
+            runs.append((loc.path, loc.offset + _linear(local.offsets, piece.chunk.box.sizes) * itemsize,
+                         dest + _linear(in_tile.offsets, tile.sizes) * itemsize, region.volume * itemsize))
+        for path, start, at, count in runs:
+            _copy_range(self.files.fd(path), self.out_fd, count, start, at)
+            self.progress(count)
         return True
 
 
