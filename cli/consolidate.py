@@ -28,7 +28,7 @@ def consolidate(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast floating tensors: bf16, fp16, fp32, fp64."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="hf: largest shard (5GB = 5*10^9 bytes, 4GiB = 4*2^30)."),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Files written in parallel (hf)."),
-    max_memory: str = typer.Option("256MiB", "--max-memory", help="Memory budget for copy buffers."),
+    max_memory: str = typer.Option("64MiB", "--max-memory", help="Memory budget for copy buffers."),
     no_fsync: bool = typer.Option(False, "--no-fsync", help="Skip fsync: faster; still safe if killed, not on power loss."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON document."),

@@ -67,7 +67,7 @@ def reshard(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast floating tensors: bf16, fp16, fp32, fp64."),
     framework: Optional[str] = typer.Option(None, "--framework", help="dtype strings as torch or mindspore writes them (default: the source's)."),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Files written in parallel (default: cores, at most 8)."),
-    max_memory: str = typer.Option("256MiB", "--max-memory", help="Memory budget for copy buffers."),
+    max_memory: str = typer.Option("64MiB", "--max-memory", help="Memory budget for copy buffers."),
     no_fsync: bool = typer.Option(False, "--no-fsync", help="Skip fsync: faster; still safe if killed, not on power loss."),
     force: bool = typer.Option(False, "--force", help="Replace an existing destination."),
     dry_run: bool = typer.Option(False, "--plan", "--dry-run", help="Print what each target rank reads and writes; copy nothing."),

@@ -28,7 +28,7 @@ from hpckpt.core.plan import Plan, TargetFile, TargetTensor
 from hpckpt.core.read import OpenFiles, read_region
 from hpckpt.core.staging import fsync_files, start_writeback
 
-DEFAULT_MAX_MEMORY = 256 * 1024 * 1024
+DEFAULT_MAX_MEMORY = 64 * 1024 * 1024  # tiles this size already move at disk speed
 Progress = Callable[[int], None]
 
 
@@ -105,6 +105,7 @@ class TileCopier:
         self.out_fd = out_fd
         self.budget = budget
         self.progress = progress
+        self._buffer: np.ndarray | None = None
 
     def _location(self, piece, target: TargetTensor) -> Location:
         return self.index.locate(piece.chunk, self.index.tensors[target.fqn])
@@ -121,7 +122,8 @@ class TileCopier:
             self.progress(len(data))
 
     def buffers(self, target: TargetTensor) -> Iterator[memoryview]:
-        """The tensor's bytes in order, one tile at a time (for writers that append)."""
+        """The tensor's bytes in order, one tile at a time (for writers that append); each view is
+        valid only until the next one is asked for (they share one buffer)."""
         for tile, _dest, parts in self._tiles(target, 0):
             data = self._gather(target, tile, parts)
             self.progress(len(data))
@@ -136,10 +138,18 @@ class TileCopier:
             parts = [(p, p.region.intersect(tile) if tile.ndim else tile) for p in target.pieces]
             yield tile, dest, [(p, r) for p, r in parts if r is not None]
 
+    def _scratch(self, nbytes: int) -> np.ndarray:
+        """One reused tile buffer: no page faults for a fresh buffer per tile, and never two
+        tiles in memory at once. Its bytes are only valid until the next tile."""
+        if self._buffer is None or self._buffer.size < nbytes:
+            self._buffer = None  # free the old one before allocating the bigger one
+            self._buffer = np.empty(max(nbytes, 1), dtype=np.uint8)
+        return self._buffer[:nbytes]
+
     def _gather(self, target: TargetTensor, tile: Box, parts) -> memoryview:
-        """Read every piece of `tile` into one buffer (casting if asked) and return its bytes."""
+        """Read every piece of `tile` into the tile buffer (casting if asked); return its bytes."""
         source = target.source_dtype or target.dtype
-        buffer = np.empty(tile.sizes, dtype=source.np)
+        buffer = self._scratch(tile.volume * source.itemsize).view(source.np).reshape(tile.sizes)
         for piece, region in parts:
             loc = self._location(piece, target)
             view = buffer[region.relative_to(tile).slices()] if region.ndim else buffer
