@@ -73,7 +73,7 @@ def _contiguous_in(region: Box, shape: tuple[int, ...]) -> bool:
     d = region.ndim - 1
     while d >= 0 and region.offsets[d] == 0 and region.sizes[d] == shape[d]:
         d -= 1
-    return all(s == 1 for s in region.sizes[:d])
+    return d < 0 or all(s == 1 for s in region.sizes[:d])
 
 
 def _copy_range(src_fd: int, dst_fd: int, count: int, src_offset: int, dst_offset: int) -> None:

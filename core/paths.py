@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
+import functools
 from pathlib import Path
 
 from hpckpt.core.errors import UnsafePathError
 
 
+@functools.lru_cache(maxsize=65536)
 def resolve_inside(root: Path, relative: str) -> Path:
     """Return `root/relative`, refusing absolute paths and paths that climb out of `root`.
+
+    Cached: readers ask for the same few files once per chunk, and resolving costs `lstat`s.
 
     Raises:
         UnsafePathError: `relative` is absolute or resolves outside `root` (e.g. `../x`).
