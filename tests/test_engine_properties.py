@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -295,3 +296,21 @@ def test_chunk_finder_scalar():
     chunks = [Chunk(Box((), ()), "_rank1_.safetensors", "s"), Chunk(Box((), ()), "_rank2_.safetensors", "s")]
     pieces = ChunkFinder(chunks).overlapping(Box((), ()))
     assert [(p.chunk.file, p.region) for p in pieces] == [("_rank1_.safetensors", Box((), ()))]
+
+
+@pytest.mark.parametrize(
+    ("offsets", "sizes", "contiguous"),
+    [((0, 0), (3, 4), True),    # the whole array
+     ((1, 0), (2, 4), True),    # whole rows
+     ((1, 1), (1, 2), True),    # part of one row
+     ((0, 1), (2, 2), False),   # a column block
+     ((0, 0, 0), (2, 3, 4), True),
+     ((0, 1, 0), (1, 2, 4), True),
+     ((0, 1, 0), (2, 2, 4), False)],
+)
+def test_contiguous_regions_are_recognised(offsets, sizes, contiguous):
+    """Contiguous regions (whole chunks included) take the kernel-copy path; the rest is gathered."""
+    from hpckpt.core.engine import _contiguous_in
+
+    shape = (3, 4) if len(sizes) == 2 else (2, 3, 4)
+    assert _contiguous_in(Box(offsets, sizes), shape) is contiguous
