@@ -668,7 +668,8 @@ def machine_facts() -> dict:
                 if line.startswith("model name")), platform.processor())
     fs = run(["df", "-T", str(ROOT)]).splitlines()[-1].split()[1] if shutil.which("df") else "?"
     return {
-        "nproc": run(["nproc"]),
+        "nproc": subprocess.run(["nproc"], capture_output=True, text=True,  # nproc obeys OMP_NUM_THREADS
+                                env={k: v for k, v in os.environ.items() if not k.startswith("OMP_")}).stdout.strip(),
         "free_g": run(["free", "-g"]),
         "cpu": cpu,
         "kernel": platform.release(),
@@ -817,6 +818,9 @@ def render_doc(data: dict) -> str:
             checks.append(f"`{r['tool']} {r['operation']}` ({r['source']}): "
                           + ("every tensor element (and non-tensor value, where the format stores them) as expected" if not r["check"] else "MISMATCH: " + "; ".join(r["check"][:4])))
     torch_amp = torch_read_amplification(size, 4, 8)
+    notes_line = ("\n(The profiles at the end were measured apart, with the helpers they name, and appended with "
+                  f"`python bench/bench_engine.py --out {data.get('out', 'OUT')} --doc-only --notes {data.get('notes_file', 'NOTES')}`.)\n"
+                  if data.get("notes") else "")
     probe = data.get("rss_probe")
     probe_section, probe_targets = "", []
     if probe:
@@ -840,7 +844,7 @@ Machine: {facts['nproc']} cores ({facts['cpu']}), no GPU, Linux {facts['kernel']
 virtual disk; Python {env.get('python', '?').split(' ')[0]}, torch {env.get('torch')}, numpy {env.get('numpy')},
 safetensors {env.get('safetensors')}, hpckpt {env.get('hpckpt')}; {facts['cp']}. Load average
 {data['load_before']} before and {data['load_after']} after the run (other sessions share the 2 cores).
-
+{notes_line}
 ```
 $ free -g
 {facts['free_g']}
@@ -850,8 +854,8 @@ $ free -g
 
 {size} GiB of tensors ({nbytes:,} bytes: the numerator of every GB/s below) saved by real
 `torch.distributed.checkpoint.save` under `torchrun --standalone --nproc-per-node 4` (gloo, CPU
-DTensors on a 1-D mesh, `Shard(0)` with PyTorch's uneven ceil split): {len(engine_state.spec(size)) - 1} tensors of
-about {nbytes / 180 / 2**20:.1f} MiB (fp32 and bf16, 2-D and 3-D, row counts = 3 mod 8 so neither 4 nor 8 ranks
+DTensors on a 1-D mesh, `Shard(0)` with PyTorch's uneven ceil split): {len(engine_state.spec(size)) - 21} tensors of
+about {nbytes / (len(engine_state.spec(size)) - 21) / 2**20:.1f} MiB (fp32 and bf16, 2-D and 3-D, row counts = 3 mod 8 so neither 4 nor 8 ranks
 divide them) plus 20 small 1-D vectors, a [3, 64] tensor (fewer rows than ranks: empty shards), two
 0-d tensors (int64, fp32) and four non-tensor values (int, str, float, list). Made by
 `bench/torch_dcp_make.py` ({info['make']['dcp_save_s']:.1f} s inside `dcp.save`; the whole 4-rank job
@@ -935,11 +939,11 @@ the part that is I/O. The load alone leaves the data in 8 processes' memory, not
 **Consolidate.** `hpckpt consolidate SRC -o x.safetensors` plans each tensor whole and writes one
 safetensors file in place with the same engine as reshard (one file, so one writer thread and the
 whole `--max-memory` as tile budget). A whole tensor is its 4 row shards, each a contiguous run in
-its chunk and in the output, so it should be 4 `copy_file_range`s; but a piece that *is* a whole
-chunk is not recognised as contiguous (`_contiguous_in`, see the profiles below), so at the commit
-measured most tensors are still gathered in user space (`preadv` into the tile buffer, `pwrite`).
+its chunk and in the output, so it is copied by 4 `copy_file_range` calls, with no user-space
+buffer; writeback of the file is started when it is complete, then it is fsynced.
 `--format pt` streams a torch.save zip archive (stored, 64-byte aligned records, CRC-32 computed on
-the way) tensor by tensor through the tile buffer.
+the way) tensor by tensor through the worker's reused tile buffer (`preadv`, `zlib.crc32`, buffered
+`write`), so it moves every byte through user space.
 `dcp_to_torch_save` (`torch.distributed.checkpoint.format_utils`) runs a no-process-group
 `dcp.load` of the *whole* state into memory (every tensor allocated full size, every record read
 and `torch.load`ed), then `torch.save` writes it: peak RSS is the checkpoint size plus torch
@@ -1003,6 +1007,8 @@ def main(argv: list[str] | None = None) -> int:
         data = json.loads(results_path.read_text())
         if args.notes:
             data["notes"] = args.notes.read_text()
+            data["notes_file"] = os.path.relpath(args.notes, ROOT)
+            data["out"] = os.path.relpath(work, ROOT)
         args.doc.write_text(render_doc(data))
         print(f"wrote {args.doc}")
         return 0
