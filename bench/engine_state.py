@@ -117,3 +117,15 @@ def tensor_bytes(size_gib: float) -> int:
     """Logical bytes of every tensor of the state (the numerator of every GB/s in the table)."""
     n = sum(math.prod(s) * (4 if d == "float32" else 2) for _f, s, d in spec(size_gib))
     return n + 8 + 4
+
+
+def join_gloo_job():
+    """Start this torchrun rank on gloo with a 1-D CPU mesh; returns (rank, world, mesh)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return rank, world, init_device_mesh("cpu", (world,))

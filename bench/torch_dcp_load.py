@@ -38,12 +38,8 @@ def main() -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    rank, world, mesh = engine_state.join_gloo_job()
     state = engine_state.local_state(args.size_gib, rank, world, mesh, empty=True)
     ready = time.perf_counter() - started
 

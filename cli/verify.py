@@ -53,6 +53,6 @@ def render(report: dict) -> None:
     errors = sum(1 for f in report["findings"] if f["severity"] == "error")
     warnings = len(report["findings"]) - errors
     if report["ok"]:
-        console.print(f"[green]OK[/green]" + (f" ({warnings} warning(s))" if warnings else ""))
+        console.print("[green]OK[/green]" + (f" ({warnings} warning(s))" if warnings else ""))
     else:
         sys.stderr.write(f"error: verify found {errors} error(s) and {warnings} warning(s); exit code {report['exit_code']}\n")

@@ -19,7 +19,6 @@ from hpckpt.core.metadata import (
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,
-    StorageInfo,
     TensorStorageMetadata,
 )
 from hpckpt.core.unpickle import loads, sniff_head

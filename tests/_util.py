@@ -68,3 +68,12 @@ def torch_bytes(t) -> bytes:
 
     dense = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())  # standard strides, even for size-1 dims
     return dense.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def as_json_value(value):
+    """A Python value as it compares with expected.json (tuples are stored as lists there)."""
+    if isinstance(value, (list, tuple)):
+        return [as_json_value(v) for v in value]
+    if isinstance(value, dict):
+        return {k: as_json_value(v) for k, v in value.items()}
+    return value

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _util import FIXTURE_NAMES, FIXTURES, assert_bit_equal, expected_tensors, expected_values, torch_bytes
+from _util import as_json_value, FIXTURE_NAMES, FIXTURES, assert_bit_equal, expected_tensors, expected_values, torch_bytes
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -39,14 +39,6 @@ HPCKPT = Path(sys.executable).with_name("hpckpt")
 def expected_torch(fixture: Path) -> dict[str, torch.Tensor]:
     return load_file(str(fixture / "expected.safetensors"))
 
-
-def as_json_value(value):
-    """A Python value as it compares with expected.json (tuples are stored as lists there)."""
-    if isinstance(value, (list, tuple)):
-        return [as_json_value(v) for v in value]
-    if isinstance(value, dict):
-        return {k: as_json_value(v) for k, v in value.items()}
-    return value
 
 
 def assert_same_tensor(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

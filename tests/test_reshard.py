@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _util import FIXTURE_NAMES, FIXTURES, assert_bit_equal, expected_tensors, expected_values, torch_bytes
+from _util import as_json_value, FIXTURE_NAMES, FIXTURES, assert_bit_equal, expected_tensors, expected_values, torch_bytes
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
@@ -104,13 +104,6 @@ def snapshot(path: Path) -> dict[str, tuple[bytes, int]]:
     return {p.relative_to(path).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
             for p in sorted(path.rglob("*")) if p.is_file()}
 
-
-def as_json_value(value):
-    if isinstance(value, (list, tuple)):
-        return [as_json_value(v) for v in value]
-    if isinstance(value, dict):
-        return {k: as_json_value(v) for k, v in value.items()}
-    return value
 
 
 def rank_of(name: str) -> int:
