@@ -45,3 +45,19 @@ def test_keep_layout_changes_only_the_mesh_size(tmp_path):
     expected = expected_tensors(fixture)
     for fqn, entry in index.tensors.items():
         assert_bit_equal(read_box(index, entry), expected[fqn], fqn)
+
+
+def test_no_fsync_writes_the_same_checkpoint(tmp_path):
+    """`--no-fsync` changes durability only: the files are byte-identical to a default run."""
+    import subprocess
+    import sys
+
+    fixture = FIXTURES / "m0-torch-4rank"
+    for name, extra in (("synced", []), ("unsynced", ["--no-fsync"])):
+        out = subprocess.run([sys.executable, "-m", "hpckpt", "reshard", str(fixture), "-o", str(tmp_path / name),
+                              "-w", "3", *extra], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+    synced = sorted(p.name for p in (tmp_path / "synced").iterdir())
+    assert synced == sorted(p.name for p in (tmp_path / "unsynced").iterdir())
+    for name in synced:
+        assert (tmp_path / "synced" / name).read_bytes() == (tmp_path / "unsynced" / name).read_bytes(), name
