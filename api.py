@@ -474,8 +474,10 @@ def consolidate(src: str | Path, out: str | Path, fmt: str = "safetensors", *, i
 
 
 def _write_pt(out: Path, target, index, value_names: list[str], budget: int, progress, sync: bool) -> None:
-    """Stream a torch.save file: tensors in checkpoint order, then the values; peak memory is one
-    tile (`budget`) plus the pickle of the names."""
+    """Stream a torch.save file: tensors in checkpoint order, then the values. Tensor bytes are
+    placed in the file by the engine (kernel copies where the source allows) and their CRC is read
+    back on a second thread; peak memory is one tile (`budget`) plus the CRC buffer (8 MiB) plus
+    the pickle of the names."""
     from hpckpt.core.engine import TileCopier
     from hpckpt.core.read import OpenFiles
     from hpckpt.core.torch_save_writer import TorchSaveWriter
@@ -486,6 +488,14 @@ def _write_pt(out: Path, target, index, value_names: list[str], budget: int, pro
         for fqn in value_names:
             writer.add_value(fqn, index.decode_value(fqn))
         with OpenFiles() as files:
-            copier = TileCopier(index, files, -1, budget, progress)
+            copiers: dict[int, TileCopier] = {}
+
+            def filler(t):
+                def fill(fd: int, offset: int) -> None:
+                    if fd not in copiers:
+                        copiers[fd] = TileCopier(index, files, fd, budget, progress, writeback=sync)
+                    copiers[fd].write(t, offset)
+                return fill
+
             for t in target.tensors:
-                writer.write_tensor(t.key, copier.buffers(t))
+                writer.write_tensor_in_place(t.key, filler(t))

@@ -99,13 +99,20 @@ def _copy_range(src_fd: int, dst_fd: int, count: int, src_offset: int, dst_offse
 class TileCopier:
     """Copies target tensors out of their source pieces, one contiguous tile at a time."""
 
-    def __init__(self, index: CheckpointIndex, files: OpenFiles, out_fd: int, budget: int, progress: Progress):
+    def __init__(self, index: CheckpointIndex, files: OpenFiles, out_fd: int, budget: int, progress: Progress,
+                 *, writeback: bool = False):
         self.index = index
         self.files = files
         self.out_fd = out_fd
         self.budget = budget
         self.progress = progress
+        self.writeback = writeback  # start writing each range to disk as soon as it is copied
         self._buffer: np.ndarray | None = None
+
+    def _written(self, dest: int, count: int) -> None:
+        if self.writeback:
+            start_writeback(self.out_fd, dest, count)
+        self.progress(count)
 
     def _location(self, piece, target: TargetTensor) -> Location:
         return self.index.locate(piece.chunk, self.index.tensors[target.fqn])
@@ -119,7 +126,7 @@ class TileCopier:
             written = 0
             while written < len(data):
                 written += os.pwrite(self.out_fd, data[written:], dest + written)
-            self.progress(len(data))
+            self._written(dest, len(data))
 
     def buffers(self, target: TargetTensor) -> Iterator[memoryview]:
         """The tensor's bytes in order, one tile at a time (for writers that append); each view is
@@ -174,7 +181,7 @@ class TileCopier:
                          dest + _linear(in_tile.offsets, tile.sizes) * itemsize, region.volume * itemsize))
         for path, start, at, count in runs:
             _copy_range(self.files.fd(path), self.out_fd, count, start, at)
-            self.progress(count)
+            self._written(at, count)
         return True
 
 
@@ -198,7 +205,8 @@ def write_target_file(path: Path, target: TargetFile, index: CheckpointIndex, *,
                       progress: Progress, metadata: dict[str, str] | None = None, sync: bool = True) -> None:
     """Write one safetensors file of the plan: header first, then every tensor in place.
 
-    With `sync`, its writeback is started here; the caller fsyncs it (see `execute`).
+    With `sync`, writeback starts range by range as the data is copied; the caller fsyncs the
+    file (see `execute`), which then has only the tail left to wait for.
     """
     head, offsets = safetensors_header(target, metadata)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -206,11 +214,11 @@ def write_target_file(path: Path, target: TargetFile, index: CheckpointIndex, *,
         os.ftruncate(fd, len(head) + target.nbytes)
         os.pwrite(fd, head, 0)
         with OpenFiles() as files:
-            writer = TileCopier(index, files, fd, budget, progress)
+            writer = TileCopier(index, files, fd, budget, progress, writeback=sync)
             for t, offset in zip(target.tensors, offsets):
                 writer.write(t, len(head) + offset)
         if sync:
-            start_writeback(fd)
+            start_writeback(fd)  # the header and anything left
     finally:
         os.close(fd)
 

@@ -29,11 +29,11 @@ except (AttributeError, OSError):  # not Linux
     _sync_file_range = None
 
 
-def start_writeback(fd: int) -> None:
-    """Ask the kernel to start writing `fd`'s dirty pages now, without waiting, so the final
-    fsync overlaps with the copying of the next files instead of adding to it."""
+def start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> None:
+    """Ask the kernel to start writing `nbytes` at `offset` of `fd` (0: to the end) now, without
+    waiting, so the final fsync overlaps with the copying that follows instead of adding to it."""
     if _sync_file_range is not None:
-        _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 def fsync_files(paths: Iterable[Path]) -> None:

@@ -38,7 +38,8 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from hpckpt.core import dtypes
 from hpckpt.core.dtypes import DType
@@ -50,7 +51,7 @@ ZIP64_LIMIT = 0xFFFFFFFF
 STORAGE_ALIGNMENT = 64
 FORMAT_VERSION = b"1"  # `.format_version`: torch may compute storage offsets from the layout
 FILE_VERSION = b"3\n"  # `version`: what torch 2.13 writes for a plain torch.save
-COPY_CHUNK_BYTES = 8 << 20  # buffer of `write_tensor_from`
+COPY_CHUNK_BYTES = 8 << 20  # buffer of `write_tensor_from` and of the read-back CRC
 
 # Element types torch saves through the legacy typed storages (`_rebuild_tensor_v2`); every
 # other dtype (uint16/32/64, float8) goes through UntypedStorage and `_rebuild_tensor_v3`.
@@ -421,6 +422,10 @@ class TorchSaveWriter:
         self._members: list[_Member] = []
         self._open: _Member | None = None  # record whose data is being written
         self._written = 0
+        # Records filled in place whose CRC a second thread is computing: (member, descriptor
+        # position, future CRC). Their descriptors are patched in by close().
+        self._pending: list[tuple[_Member, int, Future]] = []
+        self._crc_pool: ThreadPoolExecutor | None = None
 
     # --- declaring -------------------------------------------------------------------------------
 
@@ -522,8 +527,46 @@ class TorchSaveWriter:
                 remaining -= n
             self.end_tensor()
 
+    def write_tensor_in_place(self, name: str, fill: Callable[[int, int], None]) -> None:
+        """The tensor's bytes written by `fill(fd, offset)` straight into the file, `size` bytes at
+        `offset` (with `pwrite` or `copy_file_range`: no copy through this process).
+
+        The CRC is then computed by reading the range back on a second thread, while the caller
+        fills the next tensor; `close()` waits for it and patches the data descriptor.
+        """
+        with self._failing():
+            self.begin_tensor(name)
+            member = self._open
+            self._file.flush()
+            fd, start = self._file.fileno(), self._pos
+            if member.size:
+                fill(fd, start)
+                if os.fstat(fd).st_size < start + member.size:
+                    raise ValueError(f"tensor {name!r}: fill() wrote less than its {member.size} bytes")
+            self._pos = start + member.size
+            self._file.seek(self._pos)
+            self._written = member.size
+            if member.size:
+                if self._crc_pool is None:
+                    self._crc_pool = ThreadPoolExecutor(1, thread_name_prefix="hpckpt-crc")
+                self._pending.append((member, self._pos, self._crc_pool.submit(_crc_of_range, fd, start, member.size)))
+            self._end_member()
+            self._next += 1
+
     def _open_name(self) -> str:
         return self._tensors[self._next].name
+
+    def _settle_checksums(self) -> None:
+        """Wait for the read-back CRCs and write the data descriptors that were left blank."""
+        if not self._pending:
+            return
+        self._file.flush()
+        for member, position, crc in self._pending:
+            member.crc = crc.result()
+            os.pwrite(self._file.fileno(), _descriptor(member), position)
+        self._pending = []
+        self._crc_pool.shutdown()
+        self._crc_pool = None
 
     # --- finishing -------------------------------------------------------------------------------
 
@@ -538,6 +581,7 @@ class TorchSaveWriter:
             if self.next_tensor is not None:
                 missing = len(self._tensors) - self._next
                 raise ValueError(f"{missing} declared tensor(s) have no bytes, from {self.next_tensor!r}")
+            self._settle_checksums()
             self._record("version", FILE_VERSION)
             self._record(".data/serialization_id", self._serialization_id())
             self._write_central_directory()
@@ -586,6 +630,9 @@ class TorchSaveWriter:
 
     def _discard(self) -> None:
         self._state = "failed"
+        if self._crc_pool is not None:
+            self._crc_pool.shutdown(cancel_futures=True)
+            self._crc_pool = None
         if self._file is not None:
             with contextlib.suppress(OSError):
                 self._file.close()
@@ -601,7 +648,7 @@ class TorchSaveWriter:
         if self.path.is_dir():
             raise IsADirectoryError(f"{self.path} is a directory")
         self._tmp = self.path.parent / f".{self.path.name[:200]}.{secrets.token_hex(6)}.partial"
-        self._file = open(self._tmp, "xb")
+        self._file = open(self._tmp, "xb+")  # readable: in-place CRCs read back
         self._record("data.pkl", self._pickle_bytes())
         self._pickle = None  # the declarations are on disk; free them
         self._record(".format_version", FORMAT_VERSION)
@@ -656,6 +703,20 @@ class TorchSaveWriter:
         for member in self._members:
             self._emit(_central_header(member))
         self._emit(_end_records(len(self._members), start, self._pos - start))
+
+
+def _crc_of_range(fd: int, offset: int, size: int) -> int:
+    """CRC-32 of `size` bytes at `offset` of `fd`, read through one reused buffer (zlib.crc32
+    releases the GIL, so this runs beside the copying thread)."""
+    buffer = bytearray(min(size, COPY_CHUNK_BYTES))
+    view, crc, done = memoryview(buffer), 0, 0
+    while done < size:
+        n = os.preadv(fd, [view[: min(len(view), size - done)]], offset + done)
+        if n <= 0:
+            raise EOFError(f"{size - done} bytes missing at offset {offset + done}")
+        crc = zlib.crc32(view[:n], crc)
+        done += n
+    return crc
 
 
 def _fsync_dir(directory: Path) -> None:

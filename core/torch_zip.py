@@ -95,11 +95,17 @@ class _FileWindow(io.RawIOBase):
 
     zipfile looks for the end-of-central-directory record from the end of its file object; giving
     it this window makes it parse exactly one embedded record and never touch the bytes around it.
+    zipfile reads the directory, local headers and data.pkl in a dozen small reads at the two
+    ends of the record: small reads are served from a few cached blocks, so parsing a record
+    costs about two `pread`s instead of a dozen.
     """
+
+    BLOCK = 64 * 1024
 
     def __init__(self, fd: int, start: int, length: int):
         super().__init__()
         self._fd, self._start, self._length, self._pos = fd, start, length, 0
+        self._blocks: dict[int, bytes] = {}
 
     def readable(self) -> bool:
         return True
@@ -118,8 +124,7 @@ class _FileWindow(io.RawIOBase):
         return self._pos
 
     def readinto(self, buffer: Any) -> int:
-        wanted = max(0, min(len(buffer), self._length - self._pos))
-        data = os.pread(self._fd, wanted, self._start + self._pos) if wanted else b""
+        data = self.pread(len(buffer), self._pos)
         buffer[: len(data)] = data
         self._pos += len(data)
         return len(data)
@@ -131,7 +136,22 @@ class _FileWindow(io.RawIOBase):
     def pread(self, size: int, offset: int) -> bytes:
         """Read up to `size` bytes at `offset` relative to the window, without moving the cursor."""
         size = max(0, min(size, self._length - offset))
-        return os.pread(self._fd, size, self._start + offset)
+        if size == 0:
+            return b""
+        first, last = offset // self.BLOCK, (offset + size - 1) // self.BLOCK
+        if last - first > 1:  # a large read: straight from the file
+            return os.pread(self._fd, size, self._start + offset)
+        data = b"".join(self._block(i) for i in range(first, last + 1))
+        skip = offset - first * self.BLOCK
+        return data[skip : skip + size]
+
+    def _block(self, i: int) -> bytes:
+        if i not in self._blocks:
+            if len(self._blocks) >= 4:
+                self._blocks.pop(next(iter(self._blocks)))
+            begin = i * self.BLOCK
+            self._blocks[i] = os.pread(self._fd, min(self.BLOCK, self._length - begin), self._start + begin)
+        return self._blocks[i]
 
 
 # --- the archive ----------------------------------------------------------------------------------
