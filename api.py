@@ -204,18 +204,20 @@ def _spelling(framework: str | None):
 
 
 def plan_reshard(src: str | Path, spec: Any, *, include: Iterable[str] = (), exclude: Iterable[str] = (),
-                 ranks: Iterable[int] | None = None, framework: str | None = None, dtype: str | None = None):
-    """Read `src` and plan its reshard onto `spec` (a `core.layout.LayoutSpec`); nothing is written."""
+                 ranks: Iterable[int] | None = None, framework: str | None = None, dtype: str | None = None,
+                 index: Any = None, casts: dict | None = None):
+    """Read `src` (or take its already opened `index`) and plan its reshard onto `spec` (a
+    `core.layout.LayoutSpec`); nothing is written. `casts` maps single tensors to a dtype."""
     from hpckpt.core import dtypes
     from hpckpt.core.plan import make_plan
 
-    index = open_index(src)
+    index = index if index is not None else open_index(src)
     names = select(list(index.tensors) + list(index.values), include, exclude)
     world_size = max(spec.mesh.ranks) + 1
     framework = framework or index.framework
     plan = make_plan(index, lambda entry: spec.resolve(entry.fqn, entry.shape), world_size, names=names,
                      ranks=ranks, dtype_spelling=_spelling(framework),
-                     cast_to=dtypes.dtype(dtype) if dtype else None)
+                     cast_to=dtypes.dtype(dtype) if dtype else None, casts=casts)
     return index, plan, framework
 
 
@@ -233,7 +235,7 @@ def _plan_summary(plan) -> dict:
     }
 
 
-def keep_layout_spec(src: str | Path, mesh: Any) -> Any:
+def keep_layout_spec(src: str | Path, mesh: Any, index: Any = None) -> Any:
     """A target that keeps each tensor's layout and changes only the mesh size (HSDP-style).
 
     Each tensor's split dims, as inferred from its chunks, go in order onto the last mesh dims
@@ -242,7 +244,7 @@ def keep_layout_spec(src: str | Path, mesh: Any) -> Any:
     """
     from hpckpt.core.layout import LayoutSpec, Replicate, Shard, TensorLayout, infer
 
-    index = open_index(src)
+    index = index if index is not None else open_index(src)
     layouts = {}
     for fqn, entry in index.tensors.items():
         found = infer(entry.shape, (c.box for c in entry.chunks), index.world_size)
@@ -269,7 +271,8 @@ class Progress:
 def reshard(src: str | Path, dst: str | Path, spec: Any, *, include: Iterable[str] = (),
             exclude: Iterable[str] = (), ranks: Iterable[int] | None = None, force: bool = False,
             jobs: int | None = None, max_memory: int | None = None, framework: str | None = None,
-            dtype: str | None = None, dry_run: bool = False, progress=None, sync: bool = True) -> dict:
+            dtype: str | None = None, dry_run: bool = False, progress=None, sync: bool = True,
+            index: Any = None, casts: dict | None = None) -> dict:
     """Reshard `src` into a HyperParallel DCP checkpoint at `dst` laid out by `spec`.
 
     With `ranks`, only those target ranks' files are written (fan-out); `finalize(dst)` writes
@@ -283,7 +286,7 @@ def reshard(src: str | Path, dst: str | Path, spec: Any, *, include: Iterable[st
 
     started = time.perf_counter()
     index, plan, framework = plan_reshard(src, spec, include=include, exclude=exclude, ranks=ranks,
-                                          framework=framework, dtype=dtype)
+                                          framework=framework, dtype=dtype, index=index, casts=casts)
     summary = _plan_summary(plan)
     if dry_run:
         return {**_run_report("reshard", src, dst, started, 0, 0), "dry_run": True, "plan": summary}
@@ -389,7 +392,7 @@ def _values_document(index, names: list[str]) -> dict:
 def consolidate(src: str | Path, out: str | Path, fmt: str = "safetensors", *, include: Iterable[str] = (),
                 exclude: Iterable[str] = (), dtype: str | None = None, max_shard_size: str | int = "5GB",
                 force: bool = False, jobs: int | None = None, max_memory: int | None = None, progress=None,
-                sync: bool = True) -> dict:
+                sync: bool = True, index: Any = None, casts: dict | None = None, framework: str | None = None) -> dict:
     """Merge `src` into whole tensors: one safetensors file, Hugging Face shards, a torch.save
     file or a one-rank HyperParallel checkpoint. Non-tensor values go into the pt file, or into a
     JSON side file (`values.json` / `<name>.values.json`) for the safetensors formats.
@@ -409,26 +412,29 @@ def consolidate(src: str | Path, out: str | Path, fmt: str = "safetensors", *, i
         from hpckpt.core.layout import LayoutSpec
 
         report = reshard(src, out, LayoutSpec.for_world_size(1), include=include, exclude=exclude, force=force,
-                         jobs=jobs, max_memory=max_memory, dtype=dtype, progress=progress, sync=sync)
+                         jobs=jobs, max_memory=max_memory, dtype=dtype, progress=progress, sync=sync,
+                         index=index, casts=casts, framework=framework)
         return {**report, "command": "consolidate", "format": fmt}
     started = time.perf_counter()
-    index = open_index(src)
+    index = index if index is not None else open_index(src)
     names = select(index.tensors, include, exclude)
     value_names = select(index.values, include, exclude)
     cast_to = dtypes.dtype(dtype) if dtype else None
     budget = max_memory or engine.DEFAULT_MAX_MEMORY
     if fmt == "hf":
         cap = parse_size(max_shard_size)
-        files = plan_whole_tensors(index, names, max_file_bytes=cap, cast_to=cast_to,
+        files = plan_whole_tensors(index, names, max_file_bytes=cap, cast_to=cast_to, casts=casts,
                                    file_names=lambda i, n: f"model-{i + 1:05d}-of-{n:05d}.safetensors")
     else:
-        files = plan_whole_tensors(index, names, cast_to=cast_to,
+        files = plan_whole_tensors(index, names, cast_to=cast_to, casts=casts,
                                    file_names=lambda i, n: out.name)
     written = sum(f.nbytes for f in files)
     read = sum(p.region.volume * t.dtype.itemsize for f in files for t in f.tensors for p in t.pieces)
     if progress is not None:
         progress.start(written)
     advance = progress.advance if progress is not None else (lambda n: None)
+    # "pt" unless MindSpore's flavour is asked for: Hugging Face loaders accept only pt/tf/flax/mlx.
+    file_metadata = {"format": "ms" if framework == "mindspore" else "pt"}
     if fmt == "hf":
         with StagingDir(out, force=force, sync=sync) as staging:
             from concurrent.futures import ThreadPoolExecutor
@@ -437,7 +443,7 @@ def consolidate(src: str | Path, out: str | Path, fmt: str = "safetensors", *, i
             with ThreadPoolExecutor(n_jobs) as pool:
                 futures = [pool.submit(engine.write_target_file, staging.path / f.name, f, index,
                                        budget=max(1, budget // n_jobs), progress=advance,
-                                       metadata={"format": "pt"}, sync=sync) for f in files]
+                                       metadata=file_metadata, sync=sync) for f in files]
                 for future in futures:
                     future.result()
             if sync:
@@ -461,7 +467,7 @@ def consolidate(src: str | Path, out: str | Path, fmt: str = "safetensors", *, i
         tmp = out.parent / f".{out.name}.hpckpt-tmp-{os.getpid()}"
         try:
             engine.write_target_file(tmp, target, index, budget=budget, progress=advance,
-                                     metadata={"format": "pt"}, sync=sync)
+                                     metadata=file_metadata, sync=sync)
             if sync:
                 fsync_files([tmp])
             os.replace(tmp, out)
@@ -499,3 +505,198 @@ def _write_pt(out: Path, target, index, value_names: list[str], budget: int, pro
 
             for t in target.tensors:
                 writer.write_tensor_in_place(t.key, filler(t))
+
+
+CONVERT_TARGETS = ("pt", "ms", "safetensors", "hf", "hp", "torch-dcp")
+_EXTENSION_TARGETS = {".pt": "pt", ".pth": "pt", ".bin": "pt", ".ckpt": "ms", ".safetensors": "safetensors"}
+
+
+def target_from_extension(dst: str | Path) -> str | None:
+    """The container a destination file's extension names (`.pt`, `.ckpt`, `.safetensors`)."""
+    return _EXTENSION_TARGETS.get(Path(dst).suffix.lower())
+
+
+def map_names(index: CheckpointIndex, rules: Any, include: Iterable[str] = (), exclude: Iterable[str] = ()):
+    """Select and rename `index`'s entries: returns (view index, `core.names.NameMapping` or
+    None, per-tensor dtypes asked by the rules, derived tensors to compute)."""
+    from hpckpt.core.view import renamed_view
+
+    everything = list(index.tensors) + list(index.values)
+    kept = set(select(everything, include, exclude))
+    renames: dict[str, str | None] = {n: None for n in everything if n not in kept}
+    if rules is None:
+        return renamed_view(index, renames), None, {}, ()
+    from hpckpt.core.names import map_names as _map
+
+    shapes = {n: index.tensors[n].shape for n in index.tensors if n in kept}
+    mapping = _map([n for n in everything if n in kept], rules, shapes=shapes)
+    transposes = {}
+    casts = {}
+    for source, entry in mapping.entries.items():
+        renames[source] = entry.destination
+        if entry.transpose is not None and source in index.tensors:
+            transposes[source] = entry.transpose
+        if entry.dtype is not None and entry.destination is not None:
+            casts[entry.destination] = entry.dtype
+    return renamed_view(index, renames, transposes), mapping, casts, mapping.derived
+
+
+def convert(src: str | Path, dst: str | Path, to: str | None = None, *, spec: Any = None,
+            framework: str | None = None, dtype: str | None = None, include: Iterable[str] = (),
+            exclude: Iterable[str] = (), rules: Any = None, max_shard_size: str | int = "5GB",
+            force: bool = False, jobs: int | None = None, max_memory: int | None = None, progress=None,
+            sync: bool = True, dry_run: bool = False, crc: bool = False, command: str = "convert") -> dict:
+    """Convert `src` (any format hpckpt reads) into `to`: pt, ms (.ckpt), safetensors, hf, hp
+    (HyperParallel DCP laid out by `spec`; default: the source's layout) or torch-dcp.
+
+    `rules` (a `core.names.NameRules` or a preset name) renames, transposes and casts entries;
+    `framework` picks the dtype spellings of an `hp` output ("torch" or "mindspore").
+    """
+    import tempfile
+    import time
+
+    from hpckpt.core import dtypes
+
+    to = to or target_from_extension(dst)
+    if to not in CONVERT_TARGETS:
+        raise ValueError(f"unknown target {to!r}: choose one of {', '.join(CONVERT_TARGETS)}")
+    started = time.perf_counter()
+    source = open_index(src)
+    view, mapping, casts, derived = map_names(source, rules, include, exclude)
+    report_extra: dict[str, Any] = {"source_format": source.format, "format": to}
+    if mapping is not None:
+        from hpckpt.core.names import mapping_json, render_mapping
+
+        report_extra["names"] = {**mapping_json(mapping), "table": render_mapping(mapping)}
+    if dry_run:
+        return {**_run_report(command, src, dst, started, 0, 0), **report_extra, "dry_run": True}
+    with tempfile.TemporaryDirectory(prefix="hpckpt-derived-") as scratch:
+        if derived:
+            from hpckpt.core.derive import derive_values, with_tensors
+
+            arrays = derive_values(source, derived)
+            view = with_tensors(view, arrays, {d.destination: d.dtype for d in derived}, Path(scratch) / "derived.bin")
+        common = dict(force=force, jobs=jobs, max_memory=max_memory, progress=progress, sync=sync, dtype=dtype,
+                      index=view, casts=casts or None)
+        if to in ("pt", "safetensors", "hf"):
+            report = consolidate(src, dst, to, max_shard_size=max_shard_size, framework=framework, **common)
+        elif to == "hp":
+            target = spec if spec is not None else _source_layout(view)
+            report = reshard(src, dst, target, framework=framework or view.framework, **common)
+        elif to == "torch-dcp":
+            target = spec if spec is not None else _source_layout(view)
+            report = _write_torch_dcp(src, dst, target, **common)
+        else:
+            report = _write_ckpt(src, dst, view, casts, dtypes.dtype(dtype) if dtype else None, crc=crc,
+                                 force=force, max_memory=max_memory, progress=progress, sync=sync)
+    return {**report, **report_extra, "command": command, "seconds": round(time.perf_counter() - started, 3)}
+
+
+def _source_layout(index: CheckpointIndex) -> Any:
+    """Keep the source's layout on as many ranks as it was saved by (one for a single file)."""
+    from hpckpt.core.layout import Mesh
+
+    return keep_layout_spec(index.root, Mesh((max(1, index.world_size or 1),)), index=index)
+
+
+def _write_torch_dcp(src: str | Path, dst: str | Path, spec: Any, *, force: bool, jobs: int | None,
+                     max_memory: int | None, progress, sync: bool, dtype: str | None, index: Any,
+                     casts: dict | None) -> dict:
+    """A PyTorch DCP checkpoint: the reshard plan, written as `.distcp` archives + torch metadata."""
+    import time
+
+    from hpckpt.core import engine
+    from hpckpt.core.staging import StagingDir
+    from hpckpt.core.torch_dcp_write import write_torch_dcp
+
+    started = time.perf_counter()
+    _index, plan, _framework = plan_reshard(src, spec, index=index, casts=casts, dtype=dtype, framework="torch")
+    summary = _plan_summary(plan)
+    if progress is not None:
+        progress.start(summary["bytes"])
+    with StagingDir(Path(dst), force=force, sync=sync) as staging:
+        write_torch_dcp(plan, index, staging.path, budget=max_memory or engine.DEFAULT_MAX_MEMORY,
+                        progress=progress.advance if progress is not None else (lambda n: None), sync=sync)
+        staging.commit()
+    return {**_run_report("convert", src, dst, started, summary["bytes"], summary["bytes_read"]), "plan": summary}
+
+
+def _write_ckpt(src: str | Path, dst: str | Path, index: CheckpointIndex, casts: dict, cast_to: Any, *,
+                crc: bool, force: bool, max_memory: int | None, progress, sync: bool) -> dict:
+    """A MindSpore `.ckpt`, streamed: peak memory is one tile (`max_memory`). Zero-element tensors
+    are left out (MindSpore's format drops them); str/int/float/bool values become `str` entries and
+    0-d tensors, anything else is left out; both are listed in the report's `skipped`."""
+    import time
+
+    from hpckpt.core import dtypes, engine
+    from hpckpt.core.errors import DestinationExistsError
+    from hpckpt.core.mindspore_ckpt import CkptWriter
+    from hpckpt.core.plan import plan_whole_tensors
+    from hpckpt.core.read import OpenFiles
+
+    started = time.perf_counter()
+    dst = Path(dst)
+    if dst.exists() and not force:
+        raise DestinationExistsError(f"{dst} exists", hint="pass --force to replace it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    (target,) = plan_whole_tensors(index, list(index.tensors), cast_to=cast_to, casts=casts or None)
+    written = target.nbytes
+    if progress is not None:
+        progress.start(written)
+    advance = progress.advance if progress is not None else (lambda n: None)
+    scalars = {bool: "bool", int: "int64", float: "float32"}
+    skipped: list[str] = []
+    with CkptWriter(dst, crc=crc, sync=sync) as writer, OpenFiles() as files:
+        copier = engine.TileCopier(index, files, -1, max_memory or engine.DEFAULT_MAX_MEMORY, advance)
+        for t in target.tensors:
+            if writer.begin_tensor(t.key, t.dtype, t.box.sizes):
+                for piece in copier.buffers(t):
+                    writer.write(piece)
+                writer.end_tensor()
+        for fqn in index.values:
+            value = index.decode_value(fqn)
+            if isinstance(value, str):
+                writer.add_string(fqn, value)
+            elif type(value) in scalars:
+                import numpy as np
+
+                dtype = dtypes.dtype(scalars[type(value)])
+                writer.add_tensor(fqn, dtype, (), np.array(value, dtype=dtype.np).tobytes())
+            else:
+                skipped.append(fqn)
+    skipped = sorted(set(writer.skipped) | set(skipped))
+    return {**_run_report("convert", src, dst, started, written, written), "skipped": skipped}
+
+
+_KEEP_KIND = {"hyperparallel": "hp", "hyperparallel-legacy": "hp", "torch-dcp": "torch-dcp", "hf-sharded": "hf",
+              "safetensors": "safetensors", "mindspore-ckpt": "pt", "torch-save": "ms"}
+
+
+def ms_torch_plan(src: str | Path, dst: str | Path, *, to: str | None = None, to_format: str | None = None) -> dict:
+    """Direction and container of `convert-ms-torch`: the other framework than the source's, and
+    the source's kind of container unless `to_format` or the destination's extension says
+    otherwise (a PyTorch DCP going to MindSpore becomes a HyperParallel DCP, which MindSpore reads).
+
+    Raises:
+        UnknownFormatError: the source's framework cannot be told and `to` is not given.
+    """
+    from hpckpt.converters import detect
+    from hpckpt.core.errors import UnknownFormatError
+    from hpckpt.core.names import detect_direction
+
+    index = open_index(src)
+    if to is None:
+        side = index.framework
+        if side is None:
+            direction = detect_direction(list(index.tensors) + list(index.values))
+            side = {"ms-to-torch": "mindspore", "torch-to-ms": "torch"}.get(direction or "")
+        if side is None:
+            raise UnknownFormatError(f"{src}: cannot tell whether MindSpore or PyTorch wrote it",
+                                     hint="pass --to torch or --to mindspore")
+        to = "torch" if side == "mindspore" else "mindspore"
+    fmt = to_format or target_from_extension(dst) or _KEEP_KIND.get(detect(Path(src)).name, "safetensors")
+    if fmt == "torch-dcp" and to == "mindspore":
+        fmt = "hp"
+    if fmt == "ms" and to == "torch" or fmt == "pt" and to == "mindspore":
+        fmt = "safetensors" if to_format is None else fmt
+    return {"to": to, "format": fmt, "source_format": index.format}

@@ -13,6 +13,7 @@ import typer
 
 from hpckpt import __version__
 from hpckpt.cli import consolidate as consolidate_cmd
+from hpckpt.cli import convert as convert_cmd
 from hpckpt.cli import env as env_cmd
 from hpckpt.cli import inspect as inspect_cmd
 from hpckpt.cli import reshard as reshard_cmd
@@ -50,6 +51,8 @@ app.command("inspect", epilog=inspect_cmd.EXAMPLES)(inspect_cmd.inspect)
 app.command("verify")(verify_cmd.verify)
 app.command("reshard", epilog=reshard_cmd.EXAMPLES)(reshard_cmd.reshard)
 app.command("consolidate", epilog=consolidate_cmd.EXAMPLES)(consolidate_cmd.consolidate)
+app.command("convert", epilog=convert_cmd.EXAMPLES)(convert_cmd.convert)
+app.command("convert-ms-torch", epilog=convert_cmd.MS_TORCH_EXAMPLES)(convert_cmd.convert_ms_torch)
 app.command("env")(env_cmd.env)
 
 

@@ -4,7 +4,7 @@
 # Subcommand names of the command PATH.
 _hpckpt_commands() {
     case $1 in
-        hpckpt) _hpckpt_words=(inspect verify reshard consolidate env completion) ;;
+        hpckpt) _hpckpt_words=(inspect verify reshard consolidate convert convert-ms-torch env completion) ;;
         *) _hpckpt_words=() ;;
     esac
 }
@@ -17,6 +17,8 @@ _hpckpt_options() {
         'hpckpt verify') _hpckpt_words=(--strict --json --help -h) ;;
         'hpckpt reshard') _hpckpt_words=(--output -o --world-size -w --split --mesh --placements --layout-rules --layout-file --keep-layout --rank -r --finalize --include -i --exclude -x --dtype --framework --jobs -j --max-memory --no-fsync --force --dry-run --plan --json --help -h) ;;
         'hpckpt consolidate') _hpckpt_words=(--output -o --format -f --include -i --exclude -x --dtype --max-shard-size --jobs -j --max-memory --no-fsync --force --json --help -h) ;;
+        'hpckpt convert') _hpckpt_words=(--output -o --to -t --world-size -w --split --mesh --placements --layout-rules --layout-file --framework --names --dtype --include -i --exclude -x --max-shard-size --crc --jobs -j --max-memory --no-fsync --force --dry-run --json --help -h) ;;
+        'hpckpt convert-ms-torch') _hpckpt_words=(--output -o --to --to-format --name-rules --no-preset --dtype --include -i --exclude -x --crc --max-memory --no-fsync --force --dry-run --json --help -h) ;;
         'hpckpt env') _hpckpt_words=(--json --help -h) ;;
         'hpckpt completion') _hpckpt_words=(--help -h) ;;
         *) _hpckpt_words=() ;;
@@ -51,6 +53,30 @@ _hpckpt_value() {
         'hpckpt consolidate --max-shard-size') _hpckpt_kind=none ;;
         'hpckpt consolidate --jobs'|'hpckpt consolidate -j') _hpckpt_kind=none ;;
         'hpckpt consolidate --max-memory') _hpckpt_kind=none ;;
+        'hpckpt convert --output'|'hpckpt convert -o') _hpckpt_kind=file ;;
+        'hpckpt convert --to'|'hpckpt convert -t') _hpckpt_kind=none ;;
+        'hpckpt convert --world-size'|'hpckpt convert -w') _hpckpt_kind=none ;;
+        'hpckpt convert --split') _hpckpt_kind=none ;;
+        'hpckpt convert --mesh') _hpckpt_kind=none ;;
+        'hpckpt convert --placements') _hpckpt_kind=none ;;
+        'hpckpt convert --layout-rules') _hpckpt_kind=file ;;
+        'hpckpt convert --layout-file') _hpckpt_kind=file ;;
+        'hpckpt convert --framework') _hpckpt_kind=none ;;
+        'hpckpt convert --names') _hpckpt_kind=none ;;
+        'hpckpt convert --dtype') _hpckpt_kind=none ;;
+        'hpckpt convert --include'|'hpckpt convert -i') _hpckpt_kind=none ;;
+        'hpckpt convert --exclude'|'hpckpt convert -x') _hpckpt_kind=none ;;
+        'hpckpt convert --max-shard-size') _hpckpt_kind=none ;;
+        'hpckpt convert --jobs'|'hpckpt convert -j') _hpckpt_kind=none ;;
+        'hpckpt convert --max-memory') _hpckpt_kind=none ;;
+        'hpckpt convert-ms-torch --output'|'hpckpt convert-ms-torch -o') _hpckpt_kind=file ;;
+        'hpckpt convert-ms-torch --to') _hpckpt_kind=none ;;
+        'hpckpt convert-ms-torch --to-format') _hpckpt_kind=none ;;
+        'hpckpt convert-ms-torch --name-rules') _hpckpt_kind=file ;;
+        'hpckpt convert-ms-torch --dtype') _hpckpt_kind=none ;;
+        'hpckpt convert-ms-torch --include'|'hpckpt convert-ms-torch -i') _hpckpt_kind=none ;;
+        'hpckpt convert-ms-torch --exclude'|'hpckpt convert-ms-torch -x') _hpckpt_kind=none ;;
+        'hpckpt convert-ms-torch --max-memory') _hpckpt_kind=none ;;
         *) _hpckpt_kind= _hpckpt_words=() ;;
     esac
 }
@@ -62,6 +88,8 @@ _hpckpt_takes_args() {
         'hpckpt verify') return 0 ;;
         'hpckpt reshard') return 0 ;;
         'hpckpt consolidate') return 0 ;;
+        'hpckpt convert') return 0 ;;
+        'hpckpt convert-ms-torch') return 0 ;;
         'hpckpt completion') return 0 ;;
         *) return 1 ;;
     esac

@@ -5,15 +5,17 @@
 complete -c hpckpt -f
 
 # hpckpt
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate env completion' -l debug -d 'Show the full traceback when a command fails.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate env completion' -l version -d 'Print the version and exit.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate env completion' -l help -s h -d 'Show this message and exit.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate env completion' -a inspect -d 'Show the format, world size, files, tensors (dtype, shape, chunks) and values of a checkpoint.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate env completion' -a verify -d 'Check files, safetensors headers, keys, dtypes, shapes, chunk coverage and values.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate env completion' -a reshard -d 'Reshard a checkpoint to a new world size or layout (output: HyperParallel DCP).'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate env completion' -a consolidate -d 'Merge a sharded checkpoint into whole tensors for release or inference.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate env completion' -a env -d 'Print versions of hpckpt, Python, its dependencies and the platform, for bug reports.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate env completion' -a completion -d 'Print the shell completion script (the files in completions/ are this output).'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate convert convert-ms-torch env completion' -l debug -d 'Show the full traceback when a command fails.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate convert convert-ms-torch env completion' -l version -d 'Print the version and exit.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate convert convert-ms-torch env completion' -l help -s h -d 'Show this message and exit.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate convert convert-ms-torch env completion' -a inspect -d 'Show the format, world size, files, tensors (dtype, shape, chunks) and values of a checkpoint.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate convert convert-ms-torch env completion' -a verify -d 'Check files, safetensors headers, keys, dtypes, shapes, chunk coverage and values.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate convert convert-ms-torch env completion' -a reshard -d 'Reshard a checkpoint to a new world size or layout (output: HyperParallel DCP).'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate convert convert-ms-torch env completion' -a consolidate -d 'Merge a sharded checkpoint into whole tensors for release or inference.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate convert convert-ms-torch env completion' -a convert -d 'Convert a checkpoint to another format: pt, ms, safetensors, hf, hp or torch-dcp.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate convert convert-ms-torch env completion' -a convert-ms-torch -d 'Convert between MindSpore and PyTorch: names, dtype strings and container.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate convert convert-ms-torch env completion' -a env -d 'Print versions of hpckpt, Python, its dependencies and the platform, for bug reports.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify reshard consolidate convert convert-ms-torch env completion' -a completion -d 'Print the shell completion script (the files in completions/ are this output).'
 
 # hpckpt inspect
 complete -c hpckpt -n '__fish_seen_subcommand_from inspect' -l include -s i -x -d 'Only entries whose name matches (repeatable).'
@@ -68,6 +70,49 @@ complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l force -d 'Rep
 complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l json -d 'Print one JSON document.'
 complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l help -s h -d 'Show this message and exit.'
 complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -F
+
+# hpckpt convert
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l output -s o -r -F -d 'Output file (pt, ms, safetensors) or directory (hf, hp, torch-dcp).'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l to -s t -x -d 'pt, ms, safetensors, hf, hp or torch-dcp (default: from -o\'s extension).'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l world-size -s w -x -d 'hp/torch-dcp target layout (default: the source\'s).'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l split -x -d 'Uneven split rule: balanced (HyperParallel) or ceil (PyTorch).'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l mesh -x -d 'Target device mesh, e.g. 2x4 (hp, torch-dcp).'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l placements -x -d 'Placement per mesh dim, e.g. R,S0.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l layout-rules -r -F -d 'TOML file of per-tensor placements.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l layout-file -r -F -d 'HyperParallel .layout JSON (repeatable).'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l framework -x -d 'hp: dtype strings as torch or mindspore writes them (default: the source\'s).'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l names -x -d 'Rename entries: a preset (ms-to-torch, torch-to-ms, torch-to-ms-adamw) or a TOML rules file.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l dtype -x -d 'Cast floating tensors: bf16, fp16, fp32, fp64.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l include -s i -x -d 'Only entries matching (repeatable).'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l exclude -s x -x -d 'Leave out entries matching (repeatable).'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l max-shard-size -x -d 'hf: largest shard.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l crc -d 'ms: end the .ckpt with MindSpore\'s CRC trailer.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l jobs -s j -x -d 'Files written in parallel.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l max-memory -x -d 'Memory budget for copy buffers.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l no-fsync -d 'Skip fsync: faster; still safe if killed, not on power loss.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l force -d 'Replace an existing output.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l dry-run -d 'Show what would be written (and the name table); write nothing.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l json -d 'Print one JSON document.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l help -s h -d 'Show this message and exit.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -F
+
+# hpckpt convert-ms-torch
+complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -l output -s o -r -F -d 'Output file or directory; a file\'s extension picks the container.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -l to -x -d 'torch or mindspore (default: the other side of the source).'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -l to-format -x -d 'Container: pt, ms, safetensors, hf, hp, torch-dcp (default: the source\'s kind).'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -l name-rules -r -F -d 'TOML rules (docs/name-rules.md); the preset applies after them.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -l no-preset -d 'Keep names as they are (only --name-rules rename).'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -l dtype -x -d 'Cast floating tensors: bf16, fp16, fp32, fp64.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -l include -s i -x -d 'Only entries matching (repeatable).'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -l exclude -s x -x -d 'Leave out entries matching (repeatable).'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -l crc -d 'A .ckpt output ends with MindSpore\'s CRC trailer.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -l max-memory -x -d 'Memory budget for copy buffers.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -l no-fsync -d 'Skip fsync: faster; still safe if killed, not on power loss.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -l force -d 'Replace an existing output.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -l dry-run -d 'Print the source -> destination name table; write nothing.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -l json -d 'Print one JSON document.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -l help -s h -d 'Show this message and exit.'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -F
 
 # hpckpt env
 complete -c hpckpt -n '__fish_seen_subcommand_from env' -l json -d 'Print one JSON object.'

@@ -11,8 +11,10 @@ from pathlib import Path
 from hpckpt.converters.base import FormatAdapter
 from hpckpt.converters.hf_sharded import HfShardedAdapter
 from hpckpt.converters.hyperparallel_dcp import HyperParallelAdapter
+from hpckpt.converters.mindspore_ckpt import MindSporeCkptAdapter
 from hpckpt.converters.safetensors_file import SafetensorsFileAdapter
 from hpckpt.converters.torch_dcp import TorchDcpAdapter
+from hpckpt.converters.torch_save_file import TorchSaveAdapter
 from hpckpt.core.errors import CorruptMetadataError, NotACheckpointError, PathNotFoundError, UnknownFormatError
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.unpickle import SNIFF_BYTES, pickle_globals, sniff_head
@@ -21,7 +23,9 @@ ADAPTERS: tuple[FormatAdapter, ...] = (
     HyperParallelAdapter(),
     TorchDcpAdapter(),
     HfShardedAdapter(),
+    MindSporeCkptAdapter(),
     SafetensorsFileAdapter(),
+    TorchSaveAdapter(),
 )
 
 

@@ -105,6 +105,10 @@ def _make_stand_ins() -> dict[type, type]:
 _STAND_INS = _make_stand_ins()
 
 
+_FIELD_NAMES = {cls: tuple(f.name for f in fields(cls)) for cls in _CLASS_MODULE}
+_BOX_FIELDS = frozenset(("offsets", "sizes", "size", "offset"))
+
+
 def _plain(value: Any) -> Any:
     """Shapes and offsets go out as plain tuples of ints (HyperParallel compares with tuples)."""
     if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
@@ -116,22 +120,23 @@ def _to_stand_ins(obj: Any) -> Any:
     """Copy a metadata tree, replacing each of our instances by a stand-in with the same state.
 
     pickle writes an instance as NEWOBJ of its own class, so the instances themselves must be of
-    the stand-in classes; their `__dict__` holds exactly HyperParallel's field names.
+    the stand-in classes; their `__dict__` holds exactly HyperParallel's field names. Tuples of
+    ints (most of the tree) are returned as they are.
     """
-    stand_in = _STAND_INS.get(type(obj))
+    kind = type(obj)
+    stand_in = _STAND_INS.get(kind)
     if stand_in is not None:
         copy = object.__new__(stand_in)
-        for f in fields(obj):
-            value = getattr(obj, f.name)
-            if f.name in ("offsets", "sizes", "size", "offset"):
-                value = _plain(value)
-            copy.__dict__[f.name] = _to_stand_ins(value)
+        state = copy.__dict__
+        for name in _FIELD_NAMES[kind]:
+            value = getattr(obj, name)
+            state[name] = _plain(value) if name in _BOX_FIELDS else _to_stand_ins(value)
         return copy
-    if isinstance(obj, dict):
+    if kind is dict:
         return {_to_stand_ins(k): _to_stand_ins(v) for k, v in obj.items()}
-    if isinstance(obj, list):
+    if kind is list:
         return [_to_stand_ins(v) for v in obj]
-    if isinstance(obj, tuple):
+    if kind is tuple:
         return tuple(_to_stand_ins(v) for v in obj)
     return obj
 

@@ -201,12 +201,13 @@ def _assign_owners(tensors: list[TensorEntry], layout_of: Callable[[TensorEntry]
 def make_plan(index: CheckpointIndex, layout_of: Callable[[TensorEntry], TargetLayout], world_size: int,
               *, names: Iterable[str] | None = None, ranks: Iterable[int] | None = None,
               dtype_spelling: Callable[[DType], str] = lambda d: d.torch,
-              cast_to: DType | None = None) -> Plan:
+              cast_to: DType | None = None, casts: dict[str, DType] | None = None) -> Plan:
     """Plan resharding `index` onto `world_size` target ranks laid out by `layout_of`.
 
     `names` restricts the tensors and values carried over (default: all); `ranks` restricts the
     files planned for copying (fan-out), while the metadata always describes every rank.
-    `cast_to` casts floating tensors; `dtype_spelling` writes dtypes as torch or MindSpore does.
+    `cast_to` casts floating tensors, `casts` (fqn -> dtype) single ones, over `cast_to`;
+    `dtype_spelling` writes dtypes as torch or MindSpore does.
 
     Raises:
         GeometryError: a target box lies outside its tensor, or the source does not cover it.
@@ -233,14 +234,15 @@ def make_plan(index: CheckpointIndex, layout_of: Callable[[TensorEntry], TargetL
             chunk_lists[entry.fqn].append(ChunkStorageMetadata(box.offsets, box.sizes))
             storage[MetadataIndex(entry.fqn, box.offsets, position)] = StorageInfo(name, 0, -1, key)
             if rank in producing:
-                out = _out_dtype(entry.dtype, cast_to)
+                out = _out_dtype(entry.dtype, casts.get(entry.fqn, cast_to) if casts else cast_to)
                 target.tensors.append(TargetTensor(entry.fqn, key, out, box, _pieces(entry, box, finders),
                                                    source_dtype=entry.dtype if out != entry.dtype else None))
         if rank in producing:
             files.append(target)
     for entry in tensors:
         state[entry.fqn] = TensorStorageMetadata(
-            TensorProperties(dtype_spelling(_out_dtype(entry.dtype, cast_to))), tuple(entry.shape), chunk_lists[entry.fqn])
+            TensorProperties(dtype_spelling(_out_dtype(entry.dtype, casts.get(entry.fqn, cast_to) if casts else cast_to))),
+            tuple(entry.shape), chunk_lists[entry.fqn])
     # Values are decoded (safely) and pickled again with protocol 4, as HyperParallel writes them:
     # the same bytes whatever the source format, and PyTorch DCP's torch.save records become pickles.
     values = [(fqn, pickle.dumps(index.decode_value(fqn), protocol=4)) for fqn in index.values if fqn in wanted]
@@ -272,12 +274,13 @@ def _pieces(entry: TensorEntry, box: Box, finders: dict[str, ChunkFinder]) -> tu
 
 def plan_whole_tensors(index: CheckpointIndex, names: list[str], *, max_file_bytes: int | None = None,
                        file_names: Callable[[int, int], str] = lambda i, n: "model.safetensors",
-                       cast_to: DType | None = None) -> list[TargetFile]:
+                       cast_to: DType | None = None, casts: dict[str, DType] | None = None) -> list[TargetFile]:
     """Plan consolidated files: every tensor whole under its own name, in `names` order.
 
     With `max_file_bytes`, tensors are packed greedily into files of at most that size (a tensor
     larger than the cap gets a file of its own), as Hugging Face's sharding does; `file_names(i, n)`
-    names file i of n. `cast_to` casts floating tensors (others keep their dtype).
+    names file i of n. `cast_to` casts floating tensors (others keep their dtype); `casts`
+    (fqn -> dtype) casts single ones, over `cast_to`.
     """
     from hpckpt.core.box import full_box
 
@@ -286,7 +289,7 @@ def plan_whole_tensors(index: CheckpointIndex, names: list[str], *, max_file_byt
     size = 0
     for fqn in names:
         entry = index.tensors[fqn]
-        dtype = _out_dtype(entry.dtype, cast_to)
+        dtype = _out_dtype(entry.dtype, casts.get(fqn, cast_to) if casts else cast_to)
         box = full_box(entry.shape)
         tensor = TargetTensor(fqn, fqn, dtype, box, _pieces(entry, box, finders),
                               source_dtype=entry.dtype if dtype != entry.dtype else None)

@@ -145,7 +145,7 @@ def _end_records(count: int, cd_offset: int, cd_size: int) -> bytes:
 # --- the pickle ------------------------------------------------------------------------------------
 
 
-class _PickleBuilder:
+class PickleBuilder:
     """Protocol-2 opcodes written by hand: the stock Pickler would import torch to name its globals.
 
     Only opcodes torch's weights_only unpickler implements are used (no BINBYTES, no FRAME); bytes
@@ -326,13 +326,13 @@ class _PickleBuilder:
 
 # Exact types only: a subclass (IntEnum, defaultdict...) would load back as something else.
 _SCALARS = {
-    type(None): _PickleBuilder._none, bool: _PickleBuilder._bool, int: _PickleBuilder.integer,
-    float: _PickleBuilder._float, complex: _PickleBuilder._complex, str: _PickleBuilder.string,
-    bytes: _PickleBuilder._bytes, bytearray: _PickleBuilder._bytearray,
+    type(None): PickleBuilder._none, bool: PickleBuilder._bool, int: PickleBuilder.integer,
+    float: PickleBuilder._float, complex: PickleBuilder._complex, str: PickleBuilder.string,
+    bytes: PickleBuilder._bytes, bytearray: PickleBuilder._bytearray,
 }
 _CONTAINERS = {
-    tuple: _PickleBuilder._tuple, list: _PickleBuilder._list, dict: _PickleBuilder._dict,
-    OrderedDict: _PickleBuilder._ordered_dict, set: _PickleBuilder._set,
+    tuple: PickleBuilder._tuple, list: PickleBuilder._list, dict: PickleBuilder._dict,
+    OrderedDict: PickleBuilder._ordered_dict, set: PickleBuilder._set,
 }
 
 
@@ -405,19 +405,29 @@ class TorchSaveWriter:
     being written; tensor bytes are never gathered.
     """
 
-    def __init__(self, path: "Path | str", archive_name: str | None = None, *, fsync: bool = True):
+    def __init__(self, path: "Path | str", archive_name: str | None = None, *, fsync: bool = True,
+                 root: str = "dict", sink: BinaryIO | None = None):
+        if root not in ("dict", "single"):
+            raise ValueError(f"root must be 'dict' or 'single', not {root!r}")
         self.path = Path(path)
         self.archive_name = archive_name_for(self.path) if archive_name is None else archive_name
         _check_archive_name(self.archive_name)
         self._prefix = f"{self.archive_name}/"
         self._fsync = fsync
-        self._pickle = _PickleBuilder()
+        self._pickle = PickleBuilder()
         self._names: set[str] = set()
         self._tensors: list[_Tensor] = []
         self._next = 0  # index in _tensors of the next tensor to stream
         self._state = "declaring"  # -> "streaming" -> "closed", or "failed" from any state
+        # root="single": the archive holds one object (a tensor or a value, declared once under any
+        # name), as `torch.save(tensor)` writes; PyTorch DCP stores every item like that.
+        self._root = root
+        # sink: an open, readable file to append the archive to at its position (several archives
+        # in one file, as a `.distcp`); the caller owns it: nothing is renamed, fsynced or removed.
+        self._sink = sink
         self._file: BinaryIO | None = None
         self._tmp: Path | None = None
+        self._base = 0  # where the archive starts in the file: zip offsets are relative to it
         self._pos = 0
         self._members: list[_Member] = []
         self._open: _Member | None = None  # record whose data is being written
@@ -450,12 +460,15 @@ class TorchSaveWriter:
             raise TypeError(f"entry names must be str, not {type(name).__name__}")
         if name in self._names:
             raise ValueError(f"entry {name!r} is declared twice")
+        if self._root == "single" and self._names:
+            raise ValueError(f"cannot declare {name!r}: a single-object archive holds one entry")
 
     def _entry(self, name: str, emit: Any) -> None:
         """Append `name: <emit>` to the top-level dict, or nothing if emitting fails."""
         mark = self._pickle.checkpoint()
         try:
-            self._pickle.string(name)
+            if self._root == "dict":
+                self._pickle.string(name)
             emit()
         except BaseException:
             self._pickle.rollback(mark)
@@ -538,13 +551,13 @@ class TorchSaveWriter:
             self.begin_tensor(name)
             member = self._open
             self._file.flush()
-            fd, start = self._file.fileno(), self._pos
+            fd, start = self._file.fileno(), self._base + self._pos
             if member.size:
                 fill(fd, start)
                 if os.fstat(fd).st_size < start + member.size:
                     raise ValueError(f"tensor {name!r}: fill() wrote less than its {member.size} bytes")
-            self._pos = start + member.size
-            self._file.seek(self._pos)
+            self._pos += member.size
+            self._file.seek(self._base + self._pos)
             self._written = member.size
             if member.size:
                 if self._crc_pool is None:
@@ -563,7 +576,7 @@ class TorchSaveWriter:
         self._file.flush()
         for member, position, crc in self._pending:
             member.crc = crc.result()
-            os.pwrite(self._file.fileno(), _descriptor(member), position)
+            os.pwrite(self._file.fileno(), _descriptor(member), self._base + position)
         self._pending = []
         self._crc_pool.shutdown()
         self._crc_pool = None
@@ -586,6 +599,9 @@ class TorchSaveWriter:
             self._record(".data/serialization_id", self._serialization_id())
             self._write_central_directory()
             self._file.flush()
+            if self._sink is not None:
+                self._state = "closed"
+                return
             if self._fsync:
                 os.fsync(self._file.fileno())
             self._file.close()
@@ -633,6 +649,8 @@ class TorchSaveWriter:
         if self._crc_pool is not None:
             self._crc_pool.shutdown(cancel_futures=True)
             self._crc_pool = None
+        if self._sink is not None:
+            return  # the caller's file: it discards what it holds
         if self._file is not None:
             with contextlib.suppress(OSError):
                 self._file.close()
@@ -645,10 +663,13 @@ class TorchSaveWriter:
         if self._state != "declaring":
             return
         self._state = "streaming"
-        if self.path.is_dir():
+        if self._sink is not None:
+            self._file, self._base = self._sink, self._sink.tell()
+        elif self.path.is_dir():
             raise IsADirectoryError(f"{self.path} is a directory")
-        self._tmp = self.path.parent / f".{self.path.name[:200]}.{secrets.token_hex(6)}.partial"
-        self._file = open(self._tmp, "xb+")  # readable: in-place CRCs read back
+        else:
+            self._tmp = self.path.parent / f".{self.path.name[:200]}.{secrets.token_hex(6)}.partial"
+            self._file = open(self._tmp, "xb+")  # readable: in-place CRCs read back
         self._record("data.pkl", self._pickle_bytes())
         self._pickle = None  # the declarations are on disk; free them
         self._record(".format_version", FORMAT_VERSION)
@@ -657,6 +678,10 @@ class TorchSaveWriter:
 
     def _pickle_bytes(self) -> bytes:
         body = self._pickle.body
+        if self._root == "single":
+            if not body:
+                raise ValueError("a single-object archive needs its one entry declared")
+            return pickle.PROTO + b"\x02" + body + pickle.STOP
         items = pickle.MARK + body + pickle.SETITEMS if body else b""
         return pickle.PROTO + b"\x02" + pickle.EMPTY_DICT + items + pickle.STOP
 

@@ -1,0 +1,106 @@
+"""A torch.save file (zip format, torch >= 1.6): read without torch and without running its pickle.
+
+Nested dicts are flattened with "." between keys, as PyTorch DCP flattens a state dict
+(`{"model": {"w": t}, "optim": {"state": {0: {...}}}}` -> `model.w`, `optim.state.0.exp_avg`);
+lists, tuples and every other non-tensor leaf stay whole as one value.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from hpckpt.core import torch_zip
+from hpckpt.core.box import full_box
+from hpckpt.core.errors import CorruptDataError, UnknownFormatError
+from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry
+
+_LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"  # pickle of torch's legacy magic number
+
+
+class TorchSaveLocator:
+    """Tensors are found once, when the archive's pickle is read; values are kept decoded."""
+
+    def __init__(self, path: Path, locations: dict[str, Location], values: dict[str, Any]):
+        self.path = path
+        self.locations = locations
+        self.values = values
+
+    def locate(self, chunk: Chunk, entry: TensorEntry) -> Location:
+        return self.locations[entry.fqn]
+
+    def decode_value(self, entry: ValueEntry) -> Any:
+        return self.values[entry.fqn]
+
+    def file_problems(self, relative: str) -> list[str]:
+        size = self.path.stat().st_size
+        return [f"{entry} ends at byte {loc.offset + loc.nbytes}, past the end of the {size}-byte file"
+                for entry, loc in self.locations.items() if loc.offset + loc.nbytes > size]
+
+
+def _flatten(obj: Any, prefix: str, tensors: dict[str, torch_zip.TensorRecord], values: dict[str, Any]) -> None:
+    if isinstance(obj, torch_zip.TensorRecord):
+        tensors[prefix] = obj
+    elif isinstance(obj, dict) and obj and all(isinstance(k, (str, int)) for k in obj):
+        for key, value in obj.items():
+            _flatten(value, f"{prefix}.{key}" if prefix else str(key), tensors, values)
+    else:
+        values[prefix or "value"] = obj
+
+
+def _first_member_name(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        head = f.read(30 + 256)
+    if len(head) < 30 or head[:4] != torch_zip.ZIP_MAGIC:
+        return b""
+    name_length = int.from_bytes(head[26:28], "little")
+    return head[30 : 30 + name_length]
+
+
+class TorchSaveAdapter:
+    name = "torch-save"
+    description = "a torch.save file (.pt, .pth, .bin; zip format)"
+
+    def sniff(self, path: Path) -> bool:
+        if not path.is_file():
+            return False
+        try:
+            if _first_member_name(path).endswith(b"data.pkl"):
+                return True
+            with open(path, "rb") as f:
+                return f.read(len(_LEGACY_MAGIC)) == _LEGACY_MAGIC
+        except OSError:
+            return False
+
+    def read_index(self, path: Path) -> CheckpointIndex:
+        with open(path, "rb") as f:
+            if f.read(len(_LEGACY_MAGIC)) == _LEGACY_MAGIC:
+                raise UnknownFormatError(
+                    f"{path}: a torch.save file in the legacy (pre-1.6, non-zip) format",
+                    hint="load and save it again with a current torch (torch.save writes the zip format)",
+                )
+        tree = torch_zip.load_record(path)
+        records: dict[str, torch_zip.TensorRecord] = {}
+        values: dict[str, Any] = {}
+        _flatten(tree, "", records, values)
+        clash = set(records) & set(values)
+        if clash:
+            raise CorruptDataError(f"{path}: flattened names collide: {sorted(clash)[:3]}")
+        tensors = {
+            fqn: TensorEntry(fqn, r.dtype, r.shape, [Chunk(full_box(r.shape), path.name, fqn)], r.dtype.torch)
+            for fqn, r in records.items()
+        }
+        locator = TorchSaveLocator(path, {fqn: r.location(path) for fqn, r in records.items()}, values)
+        return CheckpointIndex(
+            root=path.parent,
+            format=self.name,
+            format_version="zip",
+            framework="torch",
+            tensors=tensors,
+            values={fqn: ValueEntry(fqn, path.name, 0, os.stat(path).st_size, "inline") for fqn in values},
+            metadata_files=[],
+            data_files=[path.name],
+            locator=locator,
+            world_size=None,
+        )

@@ -1,0 +1,115 @@
+"""Counters with no one-to-one counterpart in the other framework, computed for `convert-ms-torch`.
+
+`core.names` decides which destination tensors are derived (MindSpore's one `global_step` becomes
+a `step` per torch parameter, torch's steps and betas become `beta1_power`...); this computes
+their values from the source's counters, which are small tensors or plain values, and presents
+them as an index the engine can copy from like any other.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpckpt.core.box import full_box
+from hpckpt.core.errors import EntryMismatchError
+from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry
+from hpckpt.core.read import read_box
+
+
+def _scalars(index: CheckpointIndex, name: str) -> list[float]:
+    """The numbers a counter holds: a tensor's elements or a plain value (number, tuple...)."""
+    if name in index.tensors:
+        entry = index.tensors[name]
+        if not entry.dtype.is_exact_in_numpy:
+            raise EntryMismatchError(f"{name}: a {entry.dtype} counter cannot be read as a number")
+        return [float(v) for v in np.asarray(read_box(index, entry)).reshape(-1)]
+    if name in index.values:
+        value = index.decode_value(name)
+        return [float(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+    raise EntryMismatchError(f"{name}: the counter it derives from is not in the source")
+
+
+def _agreed(index: CheckpointIndex, names: list[str], what: str) -> float:
+    found = {tuple(_scalars(index, n))[:1] for n in names}
+    found.discard(())
+    if len(found) > 1:
+        raise EntryMismatchError(f"{what}: its sources disagree ({', '.join(names[:4])}...)")
+    return found.pop()[0] if found else 0.0
+
+
+def derive_values(index: CheckpointIndex, derived: Any) -> dict[str, np.ndarray]:
+    """The value of each `names.Derived` entry, as an array of its dtype and shape."""
+    out: dict[str, np.ndarray] = {}
+    for d in derived:
+        steps = [s for s in d.sources if s.endswith("step")]
+        if d.kind == "num_batches_tracked":
+            value = 0.0
+        elif d.kind == "step":
+            value = _agreed(index, list(d.sources), d.destination)
+        elif d.kind == "lr":
+            value = _lr(index, list(d.sources))
+        elif d.kind in ("beta1_power", "beta2_power"):
+            betas = [s for s in d.sources if s not in steps]
+            which = 0 if d.kind == "beta1_power" else 1
+            beta = {tuple(_scalars(index, b))[which] for b in betas}
+            if len(beta) != 1:
+                raise EntryMismatchError(f"{d.destination}: the parameter groups have different betas")
+            value = beta.pop() ** _agreed(index, steps, d.destination)
+        else:
+            raise ValueError(f"{d.destination}: unknown derived kind {d.kind!r}")
+        out[d.destination] = np.full(d.shape, value, dtype=d.dtype.np)
+    return out
+
+
+def _lr(index: CheckpointIndex, sources: list[str]) -> float:
+    """One learning rate: the value itself, or a MindSpore 1-D schedule read at `global_step`."""
+    rates = {tuple(_scalars(index, s)) for s in sources}
+    if len(rates) != 1:
+        raise EntryMismatchError(f"learning rate: the sources disagree ({', '.join(sources[:4])})")
+    schedule = rates.pop()
+    if len(schedule) == 1:
+        return schedule[0]
+    step = int(_scalars(index, "global_step")[0]) if "global_step" in index.tensors else 0
+    return schedule[min(step, len(schedule) - 1)]
+
+
+class _ExtraLocator:
+    """The derived tensors live in one small scratch file; everything else in the source."""
+
+    def __init__(self, inner: Any, locations: dict[str, Location]):
+        self.inner, self.locations = inner, locations
+
+    def locate(self, chunk: Chunk, entry: TensorEntry) -> Location:
+        if entry.fqn in self.locations and chunk.file == "<derived>":
+            return self.locations[entry.fqn]
+        return self.inner.locate(chunk, entry)
+
+    def decode_value(self, entry: ValueEntry) -> Any:
+        return self.inner.decode_value(entry)
+
+    def file_problems(self, relative: str) -> list[str]:
+        return [] if relative == "<derived>" else self.inner.file_problems(relative)
+
+
+def with_tensors(index: CheckpointIndex, arrays: dict[str, np.ndarray], dtypes_of: dict[str, Any],
+                 scratch: Path) -> CheckpointIndex:
+    """`index` plus `arrays` as whole tensors, their bytes written to the file `scratch`."""
+    locations: dict[str, Location] = {}
+    tensors = dict(index.tensors)
+    with open(scratch, "wb") as f:
+        for name, array in arrays.items():
+            raw = np.require(array, requirements="C").tobytes()
+            locations[name] = Location(scratch, f.tell(), len(raw), dtypes_of[name], tuple(array.shape))
+            f.write(raw)
+            dtype = dtypes_of[name]
+            tensors[name] = TensorEntry(name, dtype, tuple(array.shape),
+                                        [Chunk(full_box(tuple(array.shape)), "<derived>", name)], dtype.torch)
+        f.flush()
+        os.fsync(f.fileno())
+    return replace(index, tensors=tensors, locator=_ExtraLocator(index.locator, locations))
+

@@ -1,0 +1,209 @@
+"""Writing PyTorch DCP checkpoints without torch: `__{rank}_0.distcp` files and `.metadata`.
+
+A `.distcp` file is a concatenation of torch.save archives, one per stored item (a tensor chunk,
+or a non-tensor value), as `torch.save(obj)` writes each; `.metadata` is a pickle of
+`torch.distributed.checkpoint.metadata` classes giving every chunk's box and the byte range of its
+archive. Both are produced here as torch 2.13 writes them, so `torch.distributed.checkpoint.load`
+and `dcp_to_torch_save` read the result. Tensor bytes are placed by the engine (kernel copies
+where possible), so memory stays bounded whatever the size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from hpckpt.core import dtypes
+from hpckpt.core.dtypes import DType
+from hpckpt.core.engine import TileCopier
+from hpckpt.core.index import CheckpointIndex
+from hpckpt.core.plan import Plan
+from hpckpt.core.read import OpenFiles
+from hpckpt.core.staging import fsync_files
+from hpckpt.core.torch_save_writer import PickleBuilder, TorchSaveWriter
+
+_METADATA = "torch.distributed.checkpoint.metadata"
+_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
+VERSION = "1.0.0"  # Metadata.version torch 2.13 writes
+
+
+@dataclass(frozen=True)
+class StoredItem:
+    """One archive in a `.distcp` file: a chunk of `fqn` at `offsets` (None for a value)."""
+
+    fqn: str
+    offsets: tuple[int, ...] | None
+    index: int | None
+    file: str
+    offset: int
+    length: int
+
+
+def distcp_name(rank: int) -> str:
+    return f"__{rank}_0.distcp"
+
+
+def write_torch_dcp(plan: Plan, index: CheckpointIndex, out_dir: Path, *, budget: int,
+                    progress: Callable[[int], None], sync: bool = True) -> None:
+    """Write every rank's `.distcp` file of `plan` and then `.metadata` into `out_dir`.
+
+    The plan is the HyperParallel one (boxes per rank, replicas stored once); its values go into
+    rank 0's file, where PyTorch's coordinator writes them.
+    """
+    positions = {(k.fqn, tuple(k.offset)): k.index for k in plan.metadata.storage_data if k.offset is not None}
+    values = [fqn for fqn, _payload in plan.values]
+    items: list[StoredItem] = []
+    targets = {f.rank: f for f in plan.files}
+    ranks = sorted(set(targets) | ({0} if values else set()))
+    written = []
+    with OpenFiles() as sources:
+        for rank in ranks:
+            name = distcp_name(rank)
+            path = out_dir / name
+            with open(path, "xb+") as f:
+                copier = TileCopier(index, sources, f.fileno(), budget, progress, writeback=sync)
+                for t in targets[rank].tensors if rank in targets else ():
+                    start = f.tell()
+                    writer = TorchSaveWriter(path, "archive", root="single", sink=f, fsync=False)
+                    writer.add_tensor(t.key, t.dtype, t.box.sizes)
+                    writer.write_tensor_in_place(t.key, lambda fd, offset, t=t: copier.write(t, offset))
+                    writer.close()
+                    items.append(StoredItem(t.fqn, t.box.offsets, positions[(t.fqn, t.box.offsets)], name,
+                                            start, f.tell() - start))
+                for fqn in values if rank == 0 else ():
+                    start = f.tell()
+                    writer = TorchSaveWriter(path, "archive", root="single", sink=f, fsync=False)
+                    writer.add_value(fqn, index.decode_value(fqn))
+                    writer.close()
+                    items.append(StoredItem(fqn, None, None, name, start, f.tell() - start))
+            written.append(path)
+    if sync:
+        fsync_files(written)
+    tensors = {fqn: (_dtype_of(plan, fqn), meta.size, [(c.offsets, c.sizes) for c in meta.chunks])
+               for fqn, meta in plan.metadata.state_dict_metadata.items() if hasattr(meta, "chunks")}
+    metadata = dumps_torch_metadata(tensors, values, items, plan.metadata.planner_data)
+    with open(out_dir / ".metadata", "wb") as f:
+        f.write(metadata)
+
+
+def _dtype_of(plan: Plan, fqn: str) -> DType:
+    return dtypes.dtype(plan.metadata.state_dict_metadata[fqn].properties.dtype)
+
+
+class _MetadataPickle(PickleBuilder):
+    """The opcodes of torch's `.metadata`: dataclass instances as NEWOBJ + BUILD of their fields."""
+
+    def instance(self, module: str, name: str, fields: list[tuple[str, Callable[[], None]]]) -> None:
+        self.global_(module, name)
+        self.body += pickle.EMPTY_TUPLE + pickle.NEWOBJ
+        if fields:
+            self.body += pickle.EMPTY_DICT + pickle.MARK
+            for key, emit in fields:
+                self.const(key)
+                emit()
+            self.body += pickle.SETITEMS + pickle.BUILD
+
+    def size(self, values: tuple[int, ...]) -> None:
+        """`torch.Size((...))`."""
+        self.call("torch", "Size", [tuple(values)], lambda t: self.tuple_of(t, self.integer))
+
+    def properties(self, dtype: DType) -> None:
+        """TensorProperties: torch pickles its state as a 5-tuple (dtype, layout, requires_grad,
+        memory_format, pin_memory)."""
+        self.global_(_METADATA, "TensorProperties")
+        self.body += pickle.EMPTY_TUPLE + pickle.NEWOBJ + pickle.MARK
+        self.global_("torch", dtype.name)
+        self.call("torch.serialization", "_get_layout", ["torch.strided"], self.const)
+        self.body += pickle.NEWFALSE
+        self.call(_METADATA, "_MEM_FORMAT_ENCODING", [0], self.integer)
+        self.body += pickle.NEWFALSE + pickle.TUPLE + pickle.BUILD
+
+    def string_dict(self, items: list[tuple[str, Callable[[], None]]]) -> None:
+        self.body += pickle.EMPTY_DICT
+        if items:
+            self.body += pickle.MARK
+            for key, emit in items:
+                self.string(key)
+                emit()
+            self.body += pickle.SETITEMS
+
+
+def dumps_torch_metadata(tensors: dict[str, tuple[DType, tuple[int, ...], list[tuple[tuple, tuple]]]],
+                         values: list[str], items: list[StoredItem], planner_data: Any) -> bytes:
+    """The `.metadata` pickle: `tensors` maps fqn -> (dtype, global shape, chunk boxes in index
+    order); `values` are the non-tensor entries; `items` every stored archive."""
+    p = _MetadataPickle()
+    state: list[tuple[str, Callable[[], None]]] = []
+    for fqn, (dtype, shape, chunks) in tensors.items():
+        def tensor(dtype=dtype, shape=shape, chunks=chunks) -> None:
+            p.instance(_METADATA, "TensorStorageMetadata", [
+                ("properties", lambda: p.properties(dtype)),
+                ("size", lambda: p.size(shape)),
+                ("chunks", lambda: _list(p, [lambda o=o, s=s: p.instance(_METADATA, "ChunkStorageMetadata", [
+                    ("offsets", lambda: p.size(o)), ("sizes", lambda: p.size(s))]) for o, s in chunks])),
+            ])
+        state.append((fqn, tensor))
+    for fqn in values:
+        state.append((fqn, lambda: p.instance(_METADATA, "BytesStorageMetadata", [])))
+    storage = []
+    for item in items:
+        def key(item=item) -> None:
+            p.instance(_METADATA, "MetadataIndex", [
+                ("fqn", lambda: p.string(item.fqn)),
+                ("offset", (lambda: p.size(item.offsets)) if item.offsets is not None else (lambda: p._none(None))),
+                ("index", (lambda: p.integer(item.index)) if item.index is not None else (lambda: p._none(None))),
+            ])
+
+        def info(item=item) -> None:
+            p.instance(_FILESYSTEM, "_StorageInfo", [
+                ("relative_path", lambda: p.const(item.file)),
+                ("offset", lambda: p.integer(item.offset)),
+                ("length", lambda: p.integer(item.length)),
+            ])
+        storage.append((key, info))
+    mappings = planner_data if isinstance(planner_data, dict) else {}
+    names = [*tensors, *values]
+    save_id = hashlib.sha256("\0".join(names).encode()).hexdigest()[:32]
+    p.instance(_METADATA, "Metadata", [
+        ("state_dict_metadata", lambda: p.string_dict(state)),
+        ("planner_data", lambda: p.string_dict([
+            (fqn, lambda fqn=fqn: p.tuple_of(_path(mappings, fqn), lambda k: p.value(k, fqn))) for fqn in names])),
+        ("storage_data", lambda: _dict_of(p, storage)),
+        ("storage_meta", lambda: p.instance(_METADATA, "StorageMeta", [
+            ("checkpoint_id", lambda: p._none(None)),
+            ("save_id", lambda: p.string(f"{save_id[:8]}-{save_id[8:12]}-{save_id[12:16]}-{save_id[16:20]}-{save_id[20:32]}")),
+            ("load_id", lambda: p._none(None)),
+            ("modules", lambda: _list(p, [])),
+        ])),
+        ("version", lambda: p.string(VERSION)),
+    ])
+    return pickle.PROTO + b"\x02" + bytes(p.body) + pickle.STOP
+
+
+def _path(mappings: dict, fqn: str) -> tuple:
+    """The key path of `fqn` in the nested state dict (torch's planner_data); flat when unknown."""
+    path = mappings.get(fqn)
+    return tuple(path) if isinstance(path, (tuple, list)) and path else (fqn,)
+
+
+def _list(p: PickleBuilder, emits: list[Callable[[], None]]) -> None:
+    p.body += pickle.EMPTY_LIST
+    if emits:
+        p.body += pickle.MARK
+        for emit in emits:
+            emit()
+        p.body += pickle.APPENDS
+
+
+def _dict_of(p: PickleBuilder, pairs: list[tuple[Callable[[], None], Callable[[], None]]]) -> None:
+    p.body += pickle.EMPTY_DICT
+    if pairs:
+        p.body += pickle.MARK
+        for key, value in pairs:
+            key()
+            value()
+        p.body += pickle.SETITEMS
+
