@@ -516,29 +516,40 @@ def target_from_extension(dst: str | Path) -> str | None:
     return _EXTENSION_TARGETS.get(Path(dst).suffix.lower())
 
 
+def _selected(names: tuple[str, ...], include: list[str], exclude: list[str]) -> bool:
+    """An entry known by several names (before and after renaming) is kept when any of them
+    matches an `include` glob (or there is none) and none matches an `exclude` glob."""
+    def hit(globs: list[str]) -> bool:
+        return any(fnmatch.fnmatchcase(n, g) for n in names for g in globs)
+
+    return (not include or hit(include)) and not hit(exclude)
+
+
 def map_names(index: CheckpointIndex, rules: Any, include: Iterable[str] = (), exclude: Iterable[str] = ()):
-    """Select and rename `index`'s entries: returns (view index, `core.names.NameMapping` or
-    None, per-tensor dtypes asked by the rules, derived tensors to compute)."""
+    """Rename and select `index`'s entries: returns (view index, `core.names.NameMapping` or
+    None, per-tensor dtypes asked by the rules, derived tensors to compute). Globs match the
+    source name or the destination name (`--exclude 'optim.*'` works whichever side says it)."""
     from hpckpt.core.view import renamed_view
 
+    include, exclude = list(include), list(exclude)
     everything = list(index.tensors) + list(index.values)
-    kept = set(select(everything, include, exclude))
-    renames: dict[str, str | None] = {n: None for n in everything if n not in kept}
     if rules is None:
+        renames = {n: None for n in everything if not _selected((n,), include, exclude)}
         return renamed_view(index, renames), None, {}, ()
     from hpckpt.core.names import map_names as _map
 
-    shapes = {n: index.tensors[n].shape for n in index.tensors if n in kept}
-    mapping = _map([n for n in everything if n in kept], rules, shapes=shapes)
-    transposes = {}
-    casts = {}
+    mapping = _map(everything, rules, shapes={n: e.shape for n, e in index.tensors.items()})
+    renames: dict[str, str | None] = {}
+    transposes, casts = {}, {}
     for source, entry in mapping.entries.items():
-        renames[source] = entry.destination
-        if entry.transpose is not None and source in index.tensors:
+        keep = entry.destination is not None and _selected((source, entry.destination), include, exclude)
+        renames[source] = entry.destination if keep else None
+        if keep and entry.transpose is not None and source in index.tensors:
             transposes[source] = entry.transpose
-        if entry.dtype is not None and entry.destination is not None:
+        if keep and entry.dtype is not None:
             casts[entry.destination] = entry.dtype
-    return renamed_view(index, renames, transposes), mapping, casts, mapping.derived
+    derived = tuple(d for d in mapping.derived if _selected((d.destination,), include, exclude))
+    return renamed_view(index, renames, transposes), mapping, casts, derived
 
 
 def convert(src: str | Path, dst: str | Path, to: str | None = None, *, spec: Any = None,

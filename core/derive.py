@@ -18,6 +18,7 @@ import numpy as np
 from hpckpt.core.box import full_box
 from hpckpt.core.errors import EntryMismatchError
 from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry
+from hpckpt.core.names import DEFAULT_ADAM_BETAS
 from hpckpt.core.read import read_box
 
 
@@ -56,7 +57,8 @@ def derive_values(index: CheckpointIndex, derived: Any) -> dict[str, np.ndarray]
         elif d.kind in ("beta1_power", "beta2_power"):
             betas = [s for s in d.sources if s not in steps]
             which = 0 if d.kind == "beta1_power" else 1
-            beta = {tuple(_scalars(index, b))[which] for b in betas}
+            # no betas in the source (e.g. safetensors): the default both frameworks' Adam uses
+            beta = {tuple(_scalars(index, b))[which] for b in betas} if betas else {DEFAULT_ADAM_BETAS[which]}
             if len(beta) != 1:
                 raise EntryMismatchError(f"{d.destination}: the parameter groups have different betas")
             value = beta.pop() ** _agreed(index, steps, d.destination)

@@ -61,7 +61,8 @@ from hpckpt.core.dtypes import DType
 from hpckpt.core.errors import HpckptError, PathNotFoundError, UnknownFormatError
 
 __all__ = [
-    "MS_TO_TORCH", "TORCH_TO_MS", "TORCH_TO_MS_ADAMW", "DIRECTIONS", "DEFAULT_OPTIM_PREFIX", "PRESETS",
+    "MS_TO_TORCH", "TORCH_TO_MS", "TORCH_TO_MS_ADAMW", "DIRECTIONS", "DEFAULT_OPTIM_PREFIX", "DEFAULT_ADAM_BETAS",
+    "PRESETS",
     "Preset", "Rule", "NameRules", "Mapped", "Derived", "NameMapping",
     "NameRuleError", "NameCollisionError",
     "load_rules", "parse_rules", "map_names", "render_mapping", "mapping_json", "detect_direction",
@@ -99,6 +100,10 @@ MS_TO_TORCH = "ms-to-torch"
 TORCH_TO_MS = "torch-to-ms"
 TORCH_TO_MS_ADAMW = "torch-to-ms-adamw"
 DEFAULT_OPTIM_PREFIX = "optim"
+# torch.optim.Adam's and MindSpore nn.Adam's default betas: beta1_power/beta2_power are derived with
+# them when the source has no `param_groups.<fqn>.betas` (safetensors cannot hold them, and a torch
+# file written from a MindSpore checkpoint has none).
+DEFAULT_ADAM_BETAS = (0.9, 0.999)
 DIRECTIONS = (MS_TO_TORCH, TORCH_TO_MS)
 
 
@@ -685,7 +690,8 @@ def _torch_to_ms(preset: Preset, names: list[str], shapes: dict, prefix: str, re
         plan.derived.append(Derived("global_step", tuple(steps), "step", dtypes.dtype("int32"), (1,),
                                     f"{label}: {shown}state.<fqn>.step -> global_step"))
         if preset.beta_powers:
-            plan.derived += [Derived(p, tuple(steps + betas), p, f32, (), f"{label}: beta**step -> {p}")
+            how = "" if betas else f" (no betas in the source: the default {DEFAULT_ADAM_BETAS})"
+            plan.derived += [Derived(p, tuple(steps + betas), p, f32, (), f"{label}: beta**step -> {p}{how}")
                              for p in _MS_POWERS]
     if lrs:
         plan.derived.append(Derived(_MS_LR, tuple(lrs), "lr", f32, (),
