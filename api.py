@@ -604,10 +604,32 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, *, spec: An
 
 
 def _source_layout(index: CheckpointIndex) -> Any:
-    """Keep the source's layout on as many ranks as it was saved by (one for a single file)."""
-    from hpckpt.core.layout import Mesh
+    """The layout the source was saved with, tensor by tensor: the same boxes on the same number
+    of ranks. A tensor split into n parts on W ranks gets the mesh (W / n, *parts) with its splits
+    on the inner dims (replicated over the outer one, as HSDP saves); replicated tensors stay
+    replicated; irregular ones (ragged) are split on dim 0 over all ranks."""
+    import math
 
-    return keep_layout_spec(index.root, Mesh((max(1, index.world_size or 1),)), index=index)
+    from hpckpt.core.layout import LayoutSpec, Mesh, Replicate, Shard, TensorLayout, infer
+
+    found = {fqn: infer(e.shape, e.boxes, index.world_size) for fqn, e in index.tensors.items()}
+    grids = [math.prod(f.parts) for f in found.values() if f is not None and f.kind == "sharded"]
+    world = max([index.world_size or 1, *grids])
+    mesh = Mesh((world,))
+    layouts = {}
+    for fqn, f in found.items():
+        if f is not None and f.kind == "sharded":
+            splits = tuple(Shard(d, "balanced" if r == "even" else r) for d, r in zip(f.dims, f.rules))
+            n = math.prod(f.parts)
+            if world % n == 0 and world > n:
+                layouts[fqn] = TensorLayout(Mesh((world // n, *f.parts)), (Replicate(),) + splits)
+            else:
+                layouts[fqn] = TensorLayout(Mesh(f.parts), splits)
+        elif (f is not None and f.kind == "replicated") or not index.tensors[fqn].shape:
+            layouts[fqn] = TensorLayout(mesh, (Replicate(),))
+        else:
+            layouts[fqn] = TensorLayout(mesh, (Shard(0),))
+    return LayoutSpec(mesh, layouts=layouts)
 
 
 def _write_torch_dcp(src: str | Path, dst: str | Path, spec: Any, *, force: bool, jobs: int | None,

@@ -73,6 +73,10 @@ def _run(src, out, to, *, spec, framework, dtype, include, exclude, rules, max_s
                              exclude=exclude or (), rules=rules, max_shard_size=max_shard_size, force=force,
                              jobs=jobs, max_memory=budget, progress=progress, sync=not no_fsync,
                              dry_run=dry_run, crc=crc, command=command)
+    skipped = report.get("skipped") or []
+    if skipped:  # on stderr in --json mode too: what was lost must not go unnoticed
+        typer.echo(f"warning: not written (the {report['format']} format cannot hold them): {', '.join(skipped)}",
+                   err=True)
     if json_output:
         emit_json(report)
     else:
@@ -80,8 +84,6 @@ def _run(src, out, to, *, spec, framework, dtype, include, exclude, rules, max_s
 
 
 def render(report: dict) -> None:
-    import sys
-
     from hpckpt.cli._output import human_bytes
 
     names = report.get("names")
@@ -92,10 +94,6 @@ def render(report: dict) -> None:
         print(f"dry run: {report['source']} ({report['source_format']}) -> {report['destination']} "
               f"({report['format']}); nothing written")
         return
-    skipped = report.get("skipped") or []
-    if skipped:
-        print(f"warning: not written (the {report['format']} format cannot hold them): {', '.join(skipped)}",
-              file=sys.stderr)
     print(f"{report['destination']} ({report['format']}): {human_bytes(report['bytes_written'])} written in "
           f"{report['seconds']:.2f} s ({report['gb_per_s'] or 0:.2f} GB/s)")
 

@@ -95,7 +95,8 @@ def _read_strided(fd: int, path: Path, start: int, sizes: tuple[int, ...], strid
     needed = itemsize
     for z in sizes:
         needed *= z
-    if span == needed and out.flags.c_contiguous:
+    dense_in_order = all(z <= 1 or s == c for z, s, c in zip(sizes, strides, _c_strides(sizes)))
+    if span == needed and dense_in_order and out.flags.c_contiguous:  # (a permutation is dense too)
         pread_exact(fd, span, start, path, memoryview(out.reshape(-1).view(np.uint8)))
         return
     if span <= budget or not sizes:
@@ -104,9 +105,16 @@ def _read_strided(fd: int, path: Path, start: int, sizes: tuple[int, ...], strid
             raw, shape=sizes, strides=tuple(s * itemsize for s in strides), writeable=False
         )
         return
-    for i in range(sizes[0]):
-        _read_strided(fd, path, start + i * strides[0] * itemsize, sizes[1:], strides[1:],
-                      itemsize, np_dtype, out[i], budget)
+    # Too wide for one read: cut along the dim with the largest stride (the outermost in storage,
+    # not necessarily dim 0: for a transposed view it is the last), in blocks whose span fits.
+    d = max(range(len(sizes)), key=lambda i: (sizes[i] > 1, strides[i]))
+    rest = (span // itemsize) - (sizes[d] - 1) * strides[d]
+    block = max(1, (budget // itemsize - rest) // max(strides[d], 1) + 1)
+    for j in range(0, sizes[d], block):
+        k = min(block, sizes[d] - j)
+        index = (slice(None),) * d + (slice(j, j + k),)
+        _read_strided(fd, path, start + j * strides[d] * itemsize, sizes[:d] + (k,) + sizes[d + 1:], strides,
+                      itemsize, np_dtype, out[index], budget)
 
 
 def read_box(index: CheckpointIndex, entry: TensorEntry, box: Box | None = None,

@@ -22,7 +22,7 @@ from hpckpt.core.engine import TileCopier
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.plan import Plan
 from hpckpt.core.read import OpenFiles
-from hpckpt.core.staging import fsync_files
+from hpckpt.core.staging import fsync_files, write_durably
 from hpckpt.core.torch_save_writer import PickleBuilder, TorchSaveWriter
 
 _METADATA = "torch.distributed.checkpoint.metadata"
@@ -85,8 +85,8 @@ def write_torch_dcp(plan: Plan, index: CheckpointIndex, out_dir: Path, *, budget
     tensors = {fqn: (_dtype_of(plan, fqn), meta.size, [(c.offsets, c.sizes) for c in meta.chunks])
                for fqn, meta in plan.metadata.state_dict_metadata.items() if hasattr(meta, "chunks")}
     metadata = dumps_torch_metadata(tensors, values, items, plan.metadata.planner_data)
-    with open(out_dir / ".metadata", "wb") as f:
-        f.write(metadata)
+    # durable like the data files: the staging directory is renamed into place right after this
+    write_durably(out_dir / ".metadata", metadata, sync)
 
 
 def _dtype_of(plan: Plan, fqn: str) -> DType:
