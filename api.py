@@ -680,12 +680,22 @@ def _write_ckpt(src: str | Path, dst: str | Path, index: CheckpointIndex, casts:
     scalars = {bool: "bool", int: "int64", float: "float32"}
     skipped: list[str] = []
     with CkptWriter(dst, crc=crc, sync=sync) as writer, OpenFiles() as files:
-        copier = engine.TileCopier(index, files, -1, max_memory or engine.DEFAULT_MAX_MEMORY, advance)
+        budget = max_memory or engine.DEFAULT_MAX_MEMORY
+        copier = engine.TileCopier(index, files, -1, budget, advance)
+        placers: dict[int, engine.TileCopier] = {}
+
+        def placer(fd: int) -> engine.TileCopier:
+            return placers.get(fd) or placers.setdefault(fd, engine.TileCopier(index, files, fd, budget, advance,
+                                                                               writeback=sync))
         for t in target.tensors:
-            if writer.begin_tensor(t.key, t.dtype, t.box.sizes):
+            if not writer.begin_tensor(t.key, t.dtype, t.box.sizes):
+                continue
+            if writer.can_place():  # kernel copies straight into the file
+                writer.write_in_place(lambda fd, offset, t=t: placer(fd).write(t, offset))
+            else:
                 for piece in copier.buffers(t):
                     writer.write(piece)
-                writer.end_tensor()
+            writer.end_tensor()
         for fqn in index.values:
             value = index.decode_value(fqn)
             if isinstance(value, str):

@@ -35,7 +35,7 @@ import secrets
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 from hpckpt.core.box import Box, full_box
 from hpckpt.core.dtypes import DType, all_dtypes
@@ -698,6 +698,27 @@ class CkptWriter:
             view = view[n:]
             t.piece_left -= n
             t.remaining -= n
+
+    def can_place(self) -> bool:
+        """True when the open tensor can be filled in place (`write_in_place`): it is one Value
+        (no split) and no CRC is being kept (a CRC needs every byte to pass through here)."""
+        t = self._open
+        return t is not None and t.piece_left == 0 and t.remaining <= t.split and self._crc is None
+
+    def write_in_place(self, fill: Callable[[int, int], None]) -> None:
+        """The open tensor's bytes written by `fill(fd, offset)` straight into the file (`pwrite`
+        or `copy_file_range`: no copy through this process). Only when `can_place()`."""
+        if not self.can_place():
+            raise ValueError("write_in_place() needs an open, unsplit tensor and no CRC")
+        t = self._open
+        self._emit(_piece_header(t.tag, t.dims, t.tensor_type, t.remaining))
+        self._f.flush()
+        start = self._f.tell()
+        fill(self._f.fileno(), start)
+        if os.fstat(self._f.fileno()).st_size < start + t.remaining:
+            raise ValueError(f"{t.name}: fill() wrote less than the tensor's {t.remaining} bytes")
+        self._f.seek(start + t.remaining)
+        t.remaining = 0
 
     def end_tensor(self) -> None:
         t = self._open
