@@ -580,7 +580,9 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, *, spec: An
 
         report_extra["names"] = {**mapping_json(mapping), "table": render_mapping(mapping)}
     if dry_run:
-        return {**_run_report(command, src, dst, started, 0, 0), **report_extra, "dry_run": True}
+        would = {"tensors": len(view.tensors) + len(derived), "values": len(view.values),
+                 "bytes": sum(e.nbytes for e in view.tensors.values())}
+        return {**_run_report(command, src, dst, started, 0, 0), **report_extra, "dry_run": True, "would_write": would}
     with tempfile.TemporaryDirectory(prefix="hpckpt-derived-") as scratch:
         if derived:
             from hpckpt.core.derive import derive_values, with_tensors

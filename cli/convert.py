@@ -91,11 +91,15 @@ def render(report: dict) -> None:
         for line in names.get("table", []):
             print(line)
     if report.get("dry_run"):
+        would = report["would_write"]
         print(f"dry run: {report['source']} ({report['source_format']}) -> {report['destination']} "
-              f"({report['format']}); nothing written")
+              f"({report['format']}): would write {would['tensors']} tensors ({human_bytes(would['bytes'])}) and "
+              f"{would['values']} values; nothing written")
         return
     print(f"{report['destination']} ({report['format']}): {human_bytes(report['bytes_written'])} written in "
           f"{report['seconds']:.2f} s ({report['gb_per_s'] or 0:.2f} GB/s)")
+    if names is not None and names.get("table"):
+        print(names["table"][-1])  # the summary: renamed, unmapped, ambiguous, derived
 
 
 @handles_errors
