@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import platform
 import sys
 
@@ -15,6 +14,8 @@ _PACKAGES = ("numpy", "safetensors", "typer", "rich", "torch", "mindspore")
 
 
 def _installed(name: str) -> str:
+    import importlib.metadata  # here, not at import: 25 ms of every command's start-up
+
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
