@@ -73,7 +73,7 @@ def main() -> int:
     started = time.perf_counter()
     from hpckpt import api
     from hpckpt.cli import app
-    from hpckpt.core import engine, plan, read, staging
+    from hpckpt.core import engine, plan, staging
     import hpckpt.converters as converters
 
     if not args.threads:
