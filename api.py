@@ -494,17 +494,9 @@ def _write_pt(out: Path, target, index, value_names: list[str], budget: int, pro
         for fqn in value_names:
             writer.add_value(fqn, index.decode_value(fqn))
         with OpenFiles() as files:
-            copiers: dict[int, TileCopier] = {}
-
-            def filler(t):
-                def fill(fd: int, offset: int) -> None:
-                    if fd not in copiers:
-                        copiers[fd] = TileCopier(index, files, fd, budget, progress, writeback=sync)
-                    copiers[fd].write(t, offset)
-                return fill
-
+            copier = TileCopier(index, files, -1, budget, progress, writeback=sync)
             for t in target.tensors:
-                writer.write_tensor_in_place(t.key, filler(t))
+                writer.write_tensor_in_place(t.key, lambda fd, offset, t=t: copier.write(t, offset, fd))
 
 
 CONVERT_TARGETS = ("pt", "ms", "safetensors", "hf", "hp", "torch-dcp")
@@ -556,12 +548,14 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, *, spec: An
             framework: str | None = None, dtype: str | None = None, include: Iterable[str] = (),
             exclude: Iterable[str] = (), rules: Any = None, max_shard_size: str | int = "5GB",
             force: bool = False, jobs: int | None = None, max_memory: int | None = None, progress=None,
-            sync: bool = True, dry_run: bool = False, crc: bool = False, command: str = "convert") -> dict:
+            sync: bool = True, dry_run: bool = False, crc: bool = False, command: str = "convert",
+            index: CheckpointIndex | None = None) -> dict:
     """Convert `src` (any format hpckpt reads) into `to`: pt, ms (.ckpt), safetensors, hf, hp
     (HyperParallel DCP laid out by `spec`; default: the source's layout) or torch-dcp.
 
     `rules` (a `core.names.NameRules` or a preset name) renames, transposes and casts entries;
-    `framework` picks the dtype spellings of an `hp` output ("torch" or "mindspore").
+    `framework` picks the dtype spellings of an `hp` output ("torch" or "mindspore"); `index` is
+    the source's when the caller has opened it already.
     """
     import tempfile
     import time
@@ -572,7 +566,7 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, *, spec: An
     if to not in CONVERT_TARGETS:
         raise ValueError(f"unknown target {to!r}: choose one of {', '.join(CONVERT_TARGETS)}")
     started = time.perf_counter()
-    source = open_index(src)
+    source = index if index is not None else open_index(src)
     view, mapping, casts, derived = map_names(source, rules, include, exclude)
     report_extra: dict[str, Any] = {"source_format": source.format, "format": to}
     if mapping is not None:
@@ -663,6 +657,8 @@ def _write_ckpt(src: str | Path, dst: str | Path, index: CheckpointIndex, casts:
     0-d tensors, anything else is left out; both are listed in the report's `skipped`."""
     import time
 
+    import numpy as np
+
     from hpckpt.core import dtypes, engine
     from hpckpt.core.errors import DestinationExistsError
     from hpckpt.core.mindspore_ckpt import CkptWriter
@@ -682,18 +678,12 @@ def _write_ckpt(src: str | Path, dst: str | Path, index: CheckpointIndex, casts:
     scalars = {bool: "bool", int: "int64", float: "float32"}
     skipped: list[str] = []
     with CkptWriter(dst, crc=crc, sync=sync) as writer, OpenFiles() as files:
-        budget = max_memory or engine.DEFAULT_MAX_MEMORY
-        copier = engine.TileCopier(index, files, -1, budget, advance)
-        placers: dict[int, engine.TileCopier] = {}
-
-        def placer(fd: int) -> engine.TileCopier:
-            return placers.get(fd) or placers.setdefault(fd, engine.TileCopier(index, files, fd, budget, advance,
-                                                                               writeback=sync))
+        copier = engine.TileCopier(index, files, -1, max_memory or engine.DEFAULT_MAX_MEMORY, advance, writeback=sync)
         for t in target.tensors:
             if not writer.begin_tensor(t.key, t.dtype, t.box.sizes):
                 continue
             if writer.can_place():  # kernel copies straight into the file
-                writer.write_in_place(lambda fd, offset, t=t: placer(fd).write(t, offset))
+                writer.write_in_place(lambda fd, offset, t=t: copier.write(t, offset, fd))
             else:
                 for piece in copier.buffers(t):
                     writer.write(piece)
@@ -703,8 +693,6 @@ def _write_ckpt(src: str | Path, dst: str | Path, index: CheckpointIndex, casts:
             if isinstance(value, str):
                 writer.add_string(fqn, value)
             elif type(value) in scalars:
-                import numpy as np
-
                 dtype = dtypes.dtype(scalars[type(value)])
                 writer.add_tensor(fqn, dtype, (), np.array(value, dtype=dtype.np).tobytes())
             else:
@@ -717,19 +705,21 @@ _KEEP_KIND = {"hyperparallel": "hp", "hyperparallel-legacy": "hp", "torch-dcp": 
               "safetensors": "safetensors", "mindspore-ckpt": "pt", "torch-save": "ms"}
 
 
-def ms_torch_plan(src: str | Path, dst: str | Path, *, to: str | None = None, to_format: str | None = None) -> dict:
+def ms_torch_plan(src: str | Path, dst: str | Path, *, to: str | None = None, to_format: str | None = None,
+                  index: CheckpointIndex | None = None) -> dict:
     """Direction and container of `convert-ms-torch`: the other framework than the source's, and
     the source's kind of container unless `to_format` or the destination's extension says
     otherwise (a PyTorch DCP going to MindSpore becomes a HyperParallel DCP, which MindSpore reads).
 
+    `index` is the source's, when the caller has opened it already (it is then not read again).
+
     Raises:
         UnknownFormatError: the source's framework cannot be told and `to` is not given.
     """
-    from hpckpt.converters import detect
     from hpckpt.core.errors import UnknownFormatError
     from hpckpt.core.names import detect_direction
 
-    index = open_index(src)
+    index = index if index is not None else open_index(src)
     if to is None:
         side = index.framework
         if side is None:
@@ -739,7 +729,7 @@ def ms_torch_plan(src: str | Path, dst: str | Path, *, to: str | None = None, to
             raise UnknownFormatError(f"{src}: cannot tell whether MindSpore or PyTorch wrote it",
                                      hint="pass --to torch or --to mindspore")
         to = "torch" if side == "mindspore" else "mindspore"
-    fmt = to_format or target_from_extension(dst) or _KEEP_KIND.get(detect(Path(src)).name, "safetensors")
+    fmt = to_format or target_from_extension(dst) or _KEEP_KIND.get(index.format, "safetensors")
     if fmt == "torch-dcp" and to == "mindspore":
         fmt = "hp"
     if fmt == "ms" and to == "torch" or fmt == "pt" and to == "mindspore":

@@ -33,13 +33,13 @@ _LAYOUT_HELP = "hp/torch-dcp target layout (default: the source's)."
 
 def _layout(src, world_size, split, mesh, placements, rules, layout_files):
     """A layout spec when one is asked for; None keeps the source's layout."""
-    from hpckpt.cli.reshard import _spec
+    from hpckpt.cli.reshard import layout_spec
 
     if world_size is None and mesh is None and not layout_files and rules is None:
         if placements:
             raise typer.BadParameter("--placements goes with --mesh")
         return None
-    return _spec(src, world_size, split, mesh, placements, rules, layout_files, False)
+    return layout_spec(src, world_size, split, mesh, placements, rules, layout_files, False)
 
 
 def _rules(name_rules: Optional[Path], preset: Optional[str], direction: Optional[str]):
@@ -59,7 +59,7 @@ def _rules(name_rules: Optional[Path], preset: Optional[str], direction: Optiona
 
 
 def _run(src, out, to, *, spec, framework, dtype, include, exclude, rules, max_shard_size, crc, jobs,
-         max_memory, no_fsync, force, dry_run, json_output, command):
+         max_memory, no_fsync, force, dry_run, json_output, command, index=None):
     from hpckpt import api
     from hpckpt.cli._output import TerminalProgress, emit_json
 
@@ -72,7 +72,7 @@ def _run(src, out, to, *, spec, framework, dtype, include, exclude, rules, max_s
         report = api.convert(src, out, to, spec=spec, framework=framework, dtype=dtype, include=include or (),
                              exclude=exclude or (), rules=rules, max_shard_size=max_shard_size, force=force,
                              jobs=jobs, max_memory=budget, progress=progress, sync=not no_fsync,
-                             dry_run=dry_run, crc=crc, command=command)
+                             dry_run=dry_run, crc=crc, command=command, index=index)
     skipped = report.get("skipped") or []
     if skipped:  # on stderr in --json mode too: what was lost must not go unnoticed
         typer.echo(f"warning: not written (the {report['format']} format cannot hold them): {', '.join(skipped)}",
@@ -172,9 +172,12 @@ def convert_ms_torch(
         raise typer.BadParameter("torch or mindspore", param_hint="--to")
     if to_format is not None and to_format not in api.CONVERT_TARGETS:
         raise typer.BadParameter(f"choose one of {', '.join(api.CONVERT_TARGETS)}", param_hint="--to-format")
-    plan = api.ms_torch_plan(src, out, to=to, to_format=to_format)
+    from hpckpt.converters import open_index
+
+    index = open_index(src)  # once: the plan and the conversion share it
+    plan = api.ms_torch_plan(src, out, to=to, to_format=to_format, index=index)
     direction = "ms-to-torch" if plan["to"] == "torch" else "torch-to-ms"
     rules = _rules(name_rules, "none" if no_preset else None, direction)
     _run(src, out, plan["format"], spec=None, framework=plan["to"], dtype=dtype, include=include, exclude=exclude,
          rules=rules, max_shard_size="5GB", crc=crc, jobs=None, max_memory=max_memory, no_fsync=no_fsync,
-         force=force, dry_run=dry_run, json_output=json_output, command="convert-ms-torch")
+         force=force, dry_run=dry_run, json_output=json_output, command="convert-ms-torch", index=index)

@@ -22,7 +22,8 @@ EXAMPLES = """Examples:
 """
 
 
-def _spec(src, world_size, split, mesh, placements, rules, layout_files, keep_layout):
+def layout_spec(src, world_size, split, mesh, placements, rules, layout_files, keep_layout):
+    """The target layout the options name (shared by reshard and convert), checked for conflicts."""
     from hpckpt import api
     from hpckpt.core.layout import LayoutSpec, Mesh, load_rules, parse_mesh, parse_placements
 
@@ -85,7 +86,7 @@ def reshard(
         if src is None or out is None:
             raise typer.BadParameter("give SRC and -o DST")
         try:
-            spec = _spec(src, world_size, split, mesh, placements, rules, layout_files, keep_layout)
+            spec = layout_spec(src, world_size, split, mesh, placements, rules, layout_files, keep_layout)
             ranks = parse_ranks(rank)
             budget = api.parse_size(max_memory)
         except ValueError as exc:

@@ -97,7 +97,11 @@ def _copy_range(src_fd: int, dst_fd: int, count: int, src_offset: int, dst_offse
 
 
 class TileCopier:
-    """Copies target tensors out of their source pieces, one contiguous tile at a time."""
+    """Copies target tensors out of their source pieces, one contiguous tile at a time.
+
+    `out_fd` is the file `write` fills unless a call names another (writers that own their file,
+    torch.save and .ckpt, pass theirs per tensor); `buffers` needs none.
+    """
 
     def __init__(self, index: CheckpointIndex, files: OpenFiles, out_fd: int, budget: int, progress: Progress,
                  *, writeback: bool = False):
@@ -109,24 +113,26 @@ class TileCopier:
         self.writeback = writeback  # start writing each range to disk as soon as it is copied
         self._buffer: np.ndarray | None = None
 
-    def _written(self, dest: int, count: int) -> None:
+    def _written(self, fd: int, dest: int, count: int) -> None:
         if self.writeback:
-            start_writeback(self.out_fd, dest, count)
+            start_writeback(fd, dest, count)
         self.progress(count)
 
     def _location(self, piece, target: TargetTensor) -> Location:
         return self.index.locate(piece.chunk, self.index.tensors[target.fqn])
 
-    def write(self, target: TargetTensor, base: int) -> None:
-        """Fill the tensor at byte `base` of the output file, tile by tile."""
+    def write(self, target: TargetTensor, base: int, out_fd: int | None = None) -> None:
+        """Fill the tensor at byte `base` of the output file (`out_fd`, default the copier's),
+        tile by tile."""
+        fd = self.out_fd if out_fd is None else out_fd
         for tile, dest, parts in self._tiles(target, base):
-            if target.source_dtype is None and self._direct(parts, tile, target, dest):
+            if target.source_dtype is None and self._direct(parts, tile, target, fd, dest):
                 continue
             data = self._gather(target, tile, parts)
             written = 0
             while written < len(data):
-                written += os.pwrite(self.out_fd, data[written:], dest + written)
-            self._written(dest, len(data))
+                written += os.pwrite(fd, data[written:], dest + written)
+            self._written(fd, dest, len(data))
 
     def buffers(self, target: TargetTensor) -> Iterator[memoryview]:
         """The tensor's bytes in order, one tile at a time (for writers that append); each view is
@@ -165,7 +171,7 @@ class TileCopier:
             buffer = np.require(cast(buffer, source, target.dtype), requirements="C")
         return memoryview(buffer.reshape(-1).view(np.uint8))
 
-    def _direct(self, parts, tile: Box, target: TargetTensor, dest: int) -> bool:
+    def _direct(self, parts, tile: Box, target: TargetTensor, fd: int, dest: int) -> bool:
         """Copy a tile in the kernel when each of its pieces is one contiguous byte run both in
         its source chunk and in the tile (e.g. row shards of a whole tensor); else do nothing."""
         itemsize = target.dtype.itemsize
@@ -180,8 +186,8 @@ class TileCopier:
             runs.append((loc.path, loc.offset + _linear(local.offsets, piece.chunk.box.sizes) * itemsize,
                          dest + _linear(in_tile.offsets, tile.sizes) * itemsize, region.volume * itemsize))
         for path, start, at, count in runs:
-            _copy_range(self.files.fd(path), self.out_fd, count, start, at)
-            self._written(at, count)
+            _copy_range(self.files.fd(path), fd, count, start, at)
+            self._written(fd, at, count)
         return True
 
 

@@ -20,6 +20,7 @@ from hpckpt.core import dtypes
 from hpckpt.core.dtypes import DType
 from hpckpt.core.engine import TileCopier
 from hpckpt.core.index import CheckpointIndex
+from hpckpt.core.metadata import TensorStorageMetadata
 from hpckpt.core.plan import Plan
 from hpckpt.core.read import OpenFiles
 from hpckpt.core.staging import fsync_files, write_durably
@@ -83,7 +84,7 @@ def write_torch_dcp(plan: Plan, index: CheckpointIndex, out_dir: Path, *, budget
     if sync:
         fsync_files(written)
     tensors = {fqn: (_dtype_of(plan, fqn), meta.size, [(c.offsets, c.sizes) for c in meta.chunks])
-               for fqn, meta in plan.metadata.state_dict_metadata.items() if hasattr(meta, "chunks")}
+               for fqn, meta in plan.metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
     metadata = dumps_torch_metadata(tensors, values, items, plan.metadata.planner_data)
     # durable like the data files: the staging directory is renamed into place right after this
     write_durably(out_dir / ".metadata", metadata, sync)

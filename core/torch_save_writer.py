@@ -38,7 +38,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from hpckpt.core import dtypes
@@ -435,7 +435,6 @@ class TorchSaveWriter:
         # Records filled in place whose CRC a second thread is computing: (member, descriptor
         # position, future CRC). Their descriptors are patched in by close().
         self._pending: list[tuple[_Member, int, Future]] = []
-        self._crc_pool: ThreadPoolExecutor | None = None
 
     # --- declaring -------------------------------------------------------------------------------
 
@@ -560,9 +559,7 @@ class TorchSaveWriter:
             self._file.seek(self._base + self._pos)
             self._written = member.size
             if member.size:
-                if self._crc_pool is None:
-                    self._crc_pool = ThreadPoolExecutor(1, thread_name_prefix="hpckpt-crc")
-                self._pending.append((member, self._pos, self._crc_pool.submit(_crc_of_range, fd, start, member.size)))
+                self._pending.append((member, self._pos, _crc_pool().submit(_crc_of_range, fd, start, member.size)))
             self._end_member()
             self._next += 1
 
@@ -578,8 +575,6 @@ class TorchSaveWriter:
             member.crc = crc.result()
             os.pwrite(self._file.fileno(), _descriptor(member), self._base + position)
         self._pending = []
-        self._crc_pool.shutdown()
-        self._crc_pool = None
 
     # --- finishing -------------------------------------------------------------------------------
 
@@ -646,9 +641,11 @@ class TorchSaveWriter:
 
     def _discard(self) -> None:
         self._state = "failed"
-        if self._crc_pool is not None:
-            self._crc_pool.shutdown(cancel_futures=True)
-            self._crc_pool = None
+        if self._pending:  # nothing may still read the file once it is gone
+            for _member, _position, crc in self._pending:
+                crc.cancel()
+            wait([crc for _member, _position, crc in self._pending])
+            self._pending = []
         if self._sink is not None:
             return  # the caller's file: it discards what it holds
         if self._file is not None:
@@ -728,6 +725,18 @@ class TorchSaveWriter:
         for member in self._members:
             self._emit(_central_header(member))
         self._emit(_end_records(len(self._members), start, self._pos - start))
+
+
+_CRC_POOL: ThreadPoolExecutor | None = None
+
+
+def _crc_pool() -> ThreadPoolExecutor:
+    """One CRC thread for the process, shared by every writer: a PyTorch DCP output holds
+    hundreds of small archives, each its own writer."""
+    global _CRC_POOL
+    if _CRC_POOL is None:
+        _CRC_POOL = ThreadPoolExecutor(1, thread_name_prefix="hpckpt-crc")
+    return _CRC_POOL
 
 
 def _crc_of_range(fd: int, offset: int, size: int) -> int:

@@ -51,6 +51,12 @@ class _ViewLocator:
         return self.inner.file_problems(relative)
 
 
+def _chunks_seen_through(entry: TensorEntry, perm: tuple[int, ...] | None) -> list[Chunk]:
+    if perm is None:
+        return entry.chunks
+    return [Chunk(Box(_permute(c.box.offsets, perm), _permute(c.box.sizes, perm)), c.file, c.key) for c in entry.chunks]
+
+
 def renamed_view(index: CheckpointIndex, renames: dict[str, str],
                  transposes: dict[str, tuple[int, ...]] | None = None) -> CheckpointIndex:
     """`index` with entry `src` presented as `renames[src]` (absent: unchanged) and, for a source
@@ -66,20 +72,15 @@ def renamed_view(index: CheckpointIndex, renames: dict[str, str],
             continue
         origin[new] = fqn
         perm = transposes.get(fqn)
-        if perm is None or perm == tuple(range(len(entry.shape))):
-            view = TensorEntry(new, entry.dtype, entry.shape, dtype_spelling=entry.dtype_spelling,
-                               build=lambda entry=entry: entry.chunks, n_chunks=entry.n_chunks)
-        else:
+        if perm is not None and perm != tuple(range(len(entry.shape))):
             if sorted(perm) != list(range(len(entry.shape))):
                 raise ValueError(f"{fqn}: transpose {list(perm)} is not a permutation of its {len(entry.shape)} dims")
             view_transposes[new] = perm
-            view = TensorEntry(
-                new, entry.dtype, _permute(entry.shape, perm), dtype_spelling=entry.dtype_spelling,
-                build=lambda entry=entry, perm=perm: [
-                    Chunk(Box(_permute(c.box.offsets, perm), _permute(c.box.sizes, perm)), c.file, c.key)
-                    for c in entry.chunks],
-                n_chunks=entry.n_chunks)
-        tensors[new] = view
+        else:
+            perm = None
+        tensors[new] = TensorEntry(new, entry.dtype, _permute(entry.shape, perm) if perm else entry.shape,
+                                   dtype_spelling=entry.dtype_spelling, n_chunks=entry.n_chunks,
+                                   build=lambda entry=entry, perm=perm: _chunks_seen_through(entry, perm))
     values: dict[str, ValueEntry] = {}
     for fqn, entry in index.values.items():
         new = renames.get(fqn, fqn)
