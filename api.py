@@ -401,9 +401,8 @@ def consolidate(src: str | Path, out: str | Path, fmt: str = "safetensors", *, i
     import time
 
     from hpckpt.core import dtypes, engine
-    from hpckpt.core.errors import DestinationExistsError
     from hpckpt.core.plan import TargetFile, plan_whole_tensors
-    from hpckpt.core.staging import StagingDir, fsync_files, write_durably
+    from hpckpt.core.staging import StagingDir, fsync_files, refuse_existing, write_durably
 
     if fmt not in CONSOLIDATE_FORMATS:
         raise ValueError(f"unknown format {fmt!r}: choose one of {', '.join(CONSOLIDATE_FORMATS)}")
@@ -457,8 +456,7 @@ def consolidate(src: str | Path, out: str | Path, fmt: str = "safetensors", *, i
                               (_json.dumps(_values_document(index, value_names), indent=1) + "\n").encode(), sync)
             staging.commit()
         return {**_run_report("consolidate", src, out, started, written, read), "format": fmt, "files": len(files) + 1}
-    if out.exists() and not force:
-        raise DestinationExistsError(f"{out} exists", hint="pass --force to replace it")
+    refuse_existing(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     target: TargetFile = files[0]
     if fmt == "pt":
@@ -660,15 +658,14 @@ def _write_ckpt(src: str | Path, dst: str | Path, index: CheckpointIndex, casts:
     import numpy as np
 
     from hpckpt.core import dtypes, engine
-    from hpckpt.core.errors import DestinationExistsError
     from hpckpt.core.mindspore_ckpt import CkptWriter
     from hpckpt.core.plan import plan_whole_tensors
     from hpckpt.core.read import OpenFiles
+    from hpckpt.core.staging import refuse_existing
 
     started = time.perf_counter()
     dst = Path(dst)
-    if dst.exists() and not force:
-        raise DestinationExistsError(f"{dst} exists", hint="pass --force to replace it")
+    refuse_existing(dst, force)
     dst.parent.mkdir(parents=True, exist_ok=True)
     (target,) = plan_whole_tensors(index, list(index.tensors), cast_to=cast_to, casts=casts or None)
     written = target.nbytes

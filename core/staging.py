@@ -53,6 +53,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def refuse_existing(dest: Path, force: bool) -> None:
+    """Every writing command leaves an existing destination alone unless told to replace it."""
+    if dest.exists() and not force:
+        raise DestinationExistsError(f"{dest} exists", hint="pass --force to replace it")
+
+
 def write_durably(path: Path, data: bytes, sync: bool = True) -> None:
     with open(path, "wb") as f:
         f.write(data)
@@ -67,8 +73,7 @@ class StagingDir:
     def __init__(self, dest: Path, *, force: bool = False, sync: bool = True):
         self.dest = Path(dest)
         self.sync = sync
-        if self.dest.exists() and not force:
-            raise DestinationExistsError(f"{self.dest} exists", hint="pass --force to replace it")
+        refuse_existing(self.dest, force)
         self.dest.parent.mkdir(parents=True, exist_ok=True)
         for stale in self.dest.parent.glob(f".{self.dest.name}{TMP_MARK}*"):
             shutil.rmtree(stale, ignore_errors=True)  # left by a run that was killed
