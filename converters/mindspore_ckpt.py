@@ -10,7 +10,7 @@ from typing import Any
 from hpckpt.core import mindspore_ckpt as ckpt
 from hpckpt.core import safetensors_io
 from hpckpt.core.errors import CorruptDataError, EntryMismatchError, UnknownFormatError
-from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry
+from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry, parse_range_key
 
 SNIFF_BYTES = 4096
 STRING_ENCODING = "utf-32"  # `ValueEntry.encoding` of MindSpore `str` values
@@ -24,7 +24,7 @@ class MindSporeCkptLocator:
         self.file_size = file_size
 
     def locate(self, chunk: Chunk, entry: TensorEntry) -> Location:
-        offset, nbytes = _parse_key(chunk.key, entry.fqn)
+        offset, nbytes = parse_range_key(chunk.key, entry.fqn, CorruptDataError)
         if nbytes != chunk.box.volume * entry.dtype.itemsize:
             raise EntryMismatchError(
                 f"{chunk.file}: bytes {chunk.key} of {entry.fqn!r} cannot hold {entry.dtype}{list(chunk.box.sizes)}"
@@ -50,14 +50,6 @@ class MindSporeCkptLocator:
                 f"{self.path}: {fqn!r} at bytes [{offset}, {offset + nbytes}) lies beyond the end "
                 f"of the file ({self.file_size} bytes): truncated?"
             )
-
-
-def _parse_key(key: str, fqn: str) -> tuple[int, int]:
-    try:
-        offset, nbytes = (int(part) for part in key.split(":"))
-    except ValueError:
-        raise CorruptDataError(f"{fqn}: chunk key {key!r} is not 'offset:nbytes'") from None
-    return offset, nbytes
 
 
 def _head(path: Path) -> tuple[bytes, int]:
@@ -95,7 +87,7 @@ class MindSporeCkptAdapter:
             return True
         if path.suffix != ".ckpt":
             return False
-        if safetensors_io.is_safetensors(path):
+        if safetensors_io.looks_like_safetensors(head, size):
             return False
         # A damaged or empty .ckpt is still ours, so that its error says what is wrong with it.
         only_crc = size == ckpt.CRC_TRAILER_BYTES and head.startswith(ckpt.CRC_MARK)

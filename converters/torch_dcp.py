@@ -25,7 +25,7 @@ from hpckpt.core.errors import (
     PathNotFoundError,
     UnknownFormatError,
 )
-from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry
+from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry, parse_range_key
 from hpckpt.core.paths import resolve_inside
 from hpckpt.core.torch_dcp_metadata import (
     BytesStorageMetadata,
@@ -45,15 +45,6 @@ _RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 def _is_dcp_pickle(head: bytes) -> bool:
     """True when the pickle opens with a torch.distributed.checkpoint class (even if truncated later)."""
     return _DCP_MODULE.encode() in head
-
-
-def _parse_key(key: str, fqn: str) -> tuple[int, int]:
-    """Chunk keys are `"{offset}:{length}"` of the record inside its file."""
-    try:
-        offset, length = (int(part) for part in key.split(":"))
-    except ValueError:
-        raise CorruptMetadataError(f"{fqn}: chunk key {key!r} is not 'offset:length'") from None
-    return offset, length
 
 
 class TorchDcpLocator:
@@ -89,7 +80,7 @@ class TorchDcpLocator:
                 f"{file}: item {fqn!r} is stored with transforms {self.transformed[(file, key)]!r}, "
                 "which hpckpt does not read yet"
             )
-        offset, length = _parse_key(key, fqn)
+        offset, length = parse_range_key(key, fqn, CorruptMetadataError)
         path = resolve_inside(self.root, file)
         cache_key = (file, offset)
         if cache_key not in self._records:

@@ -8,7 +8,8 @@ them as an index the engine can copy from like any other.
 
 from __future__ import annotations
 
-import os
+import functools
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import numpy as np
 from hpckpt.core.box import full_box
 from hpckpt.core.errors import EntryMismatchError
 from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry
-from hpckpt.core.names import DEFAULT_ADAM_BETAS
+from hpckpt.core.names import DEFAULT_ADAM_BETAS, Derived
 from hpckpt.core.read import read_box
 
 
@@ -35,49 +36,55 @@ def _scalars(index: CheckpointIndex, name: str) -> list[float]:
     raise EntryMismatchError(f"{name}: the counter it derives from is not in the source")
 
 
-def _agreed(index: CheckpointIndex, names: list[str], what: str) -> float:
-    found = {tuple(_scalars(index, n))[:1] for n in names}
+def _agreed(scalars: Callable[[str], list[float]], names: list[str], what: str) -> float:
+    found = {tuple(scalars(n))[:1] for n in names}
     found.discard(())
     if len(found) > 1:
         raise EntryMismatchError(f"{what}: its sources disagree ({', '.join(names[:4])}...)")
     return found.pop()[0] if found else 0.0
 
 
-def derive_values(index: CheckpointIndex, derived: Any) -> dict[str, np.ndarray]:
+def derive_values(index: CheckpointIndex, derived: Iterable[Derived]) -> dict[str, np.ndarray]:
     """The value of each `names.Derived` entry, as an array of its dtype and shape."""
+    # read each counter once: a preset derives a `step` (or `lr`) per parameter from one counter,
+    # and both beta powers from the same steps
+    scalars = functools.cache(lambda name: _scalars(index, name))
     out: dict[str, np.ndarray] = {}
     for d in derived:
-        steps = [s for s in d.sources if s.endswith("step")]
         if d.kind == "num_batches_tracked":
             value = 0.0
         elif d.kind == "step":
-            value = _agreed(index, list(d.sources), d.destination)
+            value = _agreed(scalars, list(d.sources), d.destination)
         elif d.kind == "lr":
-            value = _lr(index, list(d.sources))
+            value = _lr(index, scalars, list(d.sources))
         elif d.kind in ("beta1_power", "beta2_power"):
+            steps = [s for s in d.sources if s.endswith("step")]
             betas = [s for s in d.sources if s not in steps]
             which = 0 if d.kind == "beta1_power" else 1
             # no betas in the source (e.g. safetensors): the default both frameworks' Adam uses
-            beta = {tuple(_scalars(index, b))[which] for b in betas} if betas else {DEFAULT_ADAM_BETAS[which]}
+            beta = {tuple(scalars(b))[which] for b in betas} if betas else {DEFAULT_ADAM_BETAS[which]}
             if len(beta) != 1:
                 raise EntryMismatchError(f"{d.destination}: the parameter groups have different betas")
-            value = beta.pop() ** _agreed(index, steps, d.destination)
+            value = beta.pop() ** _agreed(scalars, steps, d.destination)
         else:
             raise ValueError(f"{d.destination}: unknown derived kind {d.kind!r}")
         out[d.destination] = np.full(d.shape, value, dtype=d.dtype.np)
     return out
 
 
-def _lr(index: CheckpointIndex, sources: list[str]) -> float:
+def _lr(index: CheckpointIndex, scalars: Callable[[str], list[float]], sources: list[str]) -> float:
     """One learning rate: the value itself, or a MindSpore 1-D schedule read at `global_step`."""
-    rates = {tuple(_scalars(index, s)) for s in sources}
+    rates = {tuple(scalars(s)) for s in sources}
     if len(rates) != 1:
         raise EntryMismatchError(f"learning rate: the sources disagree ({', '.join(sources[:4])})")
     schedule = rates.pop()
     if len(schedule) == 1:
         return schedule[0]
-    step = int(_scalars(index, "global_step")[0]) if "global_step" in index.tensors else 0
+    step = int(scalars("global_step")[0]) if "global_step" in index.tensors else 0
     return schedule[min(step, len(schedule) - 1)]
+
+
+_DERIVED = "<derived>"  # the chunk file of every derived tensor
 
 
 class _ExtraLocator:
@@ -87,7 +94,7 @@ class _ExtraLocator:
         self.inner, self.locations = inner, locations
 
     def locate(self, chunk: Chunk, entry: TensorEntry) -> Location:
-        if entry.fqn in self.locations and chunk.file == "<derived>":
+        if entry.fqn in self.locations and chunk.file == _DERIVED:
             return self.locations[entry.fqn]
         return self.inner.locate(chunk, entry)
 
@@ -95,23 +102,21 @@ class _ExtraLocator:
         return self.inner.decode_value(entry)
 
     def file_problems(self, relative: str) -> list[str]:
-        return [] if relative == "<derived>" else self.inner.file_problems(relative)
+        return [] if relative == _DERIVED else self.inner.file_problems(relative)
 
 
 def with_tensors(index: CheckpointIndex, arrays: dict[str, np.ndarray], dtypes_of: dict[str, Any],
                  scratch: Path) -> CheckpointIndex:
-    """`index` plus `arrays` as whole tensors, their bytes written to the file `scratch`."""
+    """`index` plus `arrays` as whole tensors, their bytes written to the file `scratch`.
+
+    `scratch` lives only as long as the conversion and is read back through the page cache, so
+    it is not fsynced."""
     locations: dict[str, Location] = {}
     tensors = dict(index.tensors)
     with open(scratch, "wb") as f:
         for name, array in arrays.items():
-            raw = np.require(array, requirements="C").tobytes()
-            locations[name] = Location(scratch, f.tell(), len(raw), dtypes_of[name], tuple(array.shape))
+            raw, shape, dtype = array.tobytes(), tuple(array.shape), dtypes_of[name]  # tobytes: C order
+            locations[name] = Location(scratch, f.tell(), len(raw), dtype, shape)
             f.write(raw)
-            dtype = dtypes_of[name]
-            tensors[name] = TensorEntry(name, dtype, tuple(array.shape),
-                                        [Chunk(full_box(tuple(array.shape)), "<derived>", name)], dtype.torch)
-        f.flush()
-        os.fsync(f.fileno())
+            tensors[name] = TensorEntry(name, dtype, shape, [Chunk(full_box(shape), _DERIVED, name)], dtype.torch)
     return replace(index, tensors=tensors, locator=_ExtraLocator(index.locator, locations))
-

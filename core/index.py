@@ -104,6 +104,16 @@ class ValueEntry:
     encoding: str = "pickle"
 
 
+def parse_range_key(key: str, fqn: str, error: type[Exception]) -> tuple[int, int]:
+    """Adapters whose chunks are byte ranges of a file (PyTorch DCP records, .ckpt contents) key
+    them `"offset:nbytes"`; a key that is not two integers is reported as `error`."""
+    try:
+        offset, nbytes = (int(part) for part in key.split(":"))
+    except ValueError:
+        raise error(f"{fqn}: chunk key {key!r} is not 'offset:nbytes'") from None
+    return offset, nbytes
+
+
 class Locator(Protocol):
     """What an adapter provides to reach the bytes behind an index."""
 

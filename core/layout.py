@@ -646,16 +646,14 @@ def _json_entry(entry: object) -> int | tuple[int, ...]:
 
 
 def _read_toml(path: str | Path) -> dict:
-    """Parse a TOML file (tomllib on 3.11+, the tomli backport before).
+    """Parse a TOML file.
 
     Raises:
         PathNotFoundError: the file does not exist.
         ValueError: not valid TOML.
     """
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
+    import tomllib
+
     p = Path(path)
     if not p.is_file():
         raise PathNotFoundError(f"{p}: no such file")
@@ -709,7 +707,7 @@ def load_rules(path: str | Path) -> list[tuple[str, tuple[Placement, ...]]]:
 
 
 def _rules_from(doc: dict, where: str) -> list[tuple[str, tuple[Placement, ...]]]:
-    _no_unknown_keys(doc, _TOP_KEYS, where)
+    check_table_keys(doc, _TOP_KEYS, where)
     file_rule = _check_rule(doc.get("split", "balanced"))
     rules = doc.get("rule", [])
     if not isinstance(rules, list):
@@ -717,7 +715,7 @@ def _rules_from(doc: dict, where: str) -> list[tuple[str, tuple[Placement, ...]]
     out = []
     for i, r in enumerate(rules):
         what = f"{where}: rule {i + 1}"
-        _no_unknown_keys(r, _RULE_KEYS, what)
+        check_table_keys(r, _RULE_KEYS, what)
         if ("match" in r) == ("regex" in r) or "placements" not in r:
             raise ValueError(f"{what}: needs 'placements' and exactly one of 'match' or 'regex'")
         if not all(isinstance(v, str) for v in r.values()):
@@ -729,12 +727,14 @@ def _rules_from(doc: dict, where: str) -> list[tuple[str, tuple[Placement, ...]]
     return out
 
 
-def _no_unknown_keys(table: object, allowed: set[str], where: str) -> None:
+def check_table_keys(table: object, allowed: set[str], where: str, error: type[Exception] = ValueError) -> None:
+    """A TOML table of a rules file holds only known keys: a misspelt key must not pass silently.
+    (Layout and name rules files both use it; `error` is each one's exception.)"""
     if not isinstance(table, dict):
-        raise ValueError(f"{where}: expected a table")
+        raise error(f"{where}: expected a table")
     unknown = set(table) - allowed
     if unknown:
-        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+        raise error(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
 
 
 def _compile(regex: str, where: str) -> re.Pattern:

@@ -39,7 +39,7 @@ from typing import BinaryIO, Callable
 
 from hpckpt.core.box import Box, full_box
 from hpckpt.core.dtypes import DType, all_dtypes
-from hpckpt.core.errors import CorruptDataError, HpckptError, MissingFileError, UnknownFormatError
+from hpckpt.core.errors import CorruptDataError, MissingFileError, UnknownFormatError
 from hpckpt.core.layout import decompose_flat_interval
 from hpckpt.core.staging import fsync_files
 
@@ -339,12 +339,10 @@ def _check_run(path: Path, run: list[_RawValue]) -> None:
             )
 
 
-def _shape(path: Path, run: list[_RawValue], dtype: DType, scan: CkptScan) -> tuple[int, ...]:
+def _shape(scan: CkptScan, first: _RawValue, dtype: DType, total: int) -> tuple[int, ...]:
     """The tensor's shape; MindSpore loads `dims [0]` with one element of content as 0-d."""
-    first = run[0]
     if any(d < 0 for d in first.dims):
-        raise CorruptDataError(f"{path}: offset {first.offset}: tensor {first.tag!r} has negative dims {first.dims}")
-    total = sum(v.content_nbytes for v in run)
+        raise CorruptDataError(f"{scan.path}: offset {first.offset}: tensor {first.tag!r} has negative dims {first.dims}")
     if first.dims == [0] and total == dtype.itemsize:
         scan.notes.append(f"{first.tag}: dims [0] with one element, read as 0-d as MindSpore does")
         return ()
@@ -353,8 +351,8 @@ def _shape(path: Path, run: list[_RawValue], dtype: DType, scan: CkptScan) -> tu
 
 def _add_tensor(scan: CkptScan, run: list[_RawValue], dtype: DType) -> None:
     path, first = scan.path, run[0]
-    shape = _shape(path, run, dtype, scan)
     total = sum(v.content_nbytes for v in run)
+    shape = _shape(scan, first, dtype, total)
     needed = math.prod(shape) * dtype.itemsize
     if total != needed:
         pieces = f" in {len(run)} pieces" if len(run) > 1 else ""
@@ -464,9 +462,7 @@ def scan(path: Path | str) -> CkptScan:
             proto_end, crc = _trailer(f, size)
             f.seek(0)
             values = _walk(_Cursor(f, path), proto_end)
-        except HpckptError:
-            raise
-        except OSError as exc:
+        except OSError as exc:  # an I/O error mid-walk (none of hpckpt's own errors is an OSError here)
             raise MissingFileError(f"{path}: cannot be read ({exc.strerror})") from None
     result = CkptScan(path, size, proto_end, crc)
     for run in _runs(values):
@@ -616,7 +612,7 @@ def _piece_header(tag: bytes, dims: tuple[int, ...], tensor_type: bytes, content
 
 def writable_spelling(dtype: DType) -> str:
     """The tensor_type MindSpore's loader reads for `dtype`, or ValueError."""
-    if dtype.mindspore is None or dtype.mindspore not in _BY_SPELLING:
+    if dtype.mindspore not in _BY_SPELLING:  # None included: it is no key
         raise ValueError(f"MindSpore .ckpt cannot hold {dtype} tensors")
     return dtype.mindspore
 

@@ -59,6 +59,7 @@ from typing import Union
 from hpckpt.core import dtypes
 from hpckpt.core.dtypes import DType
 from hpckpt.core.errors import HpckptError, PathNotFoundError, UnknownFormatError
+from hpckpt.core.layout import check_table_keys
 
 __all__ = [
     "MS_TO_TORCH", "TORCH_TO_MS", "TORCH_TO_MS_ADAMW", "DIRECTIONS", "DEFAULT_OPTIM_PREFIX", "DEFAULT_ADAM_BETAS",
@@ -315,7 +316,7 @@ def parse_rules(text: str, where: str = "<name rules>", direction: str | None = 
         raise NameRuleError(f"{where}: not valid TOML ({exc})") from None
     if direction is not None and direction not in DIRECTIONS:
         raise NameRuleError(f"unknown direction {direction!r}; expected one of {', '.join(DIRECTIONS)}")
-    _no_unknown_keys(doc, _TOP_KEYS, where)
+    check_table_keys(doc, _TOP_KEYS, where, NameRuleError)
     preset = _file_preset(doc.get("preset"), where, direction)
     prefix = doc.get("optim_prefix", DEFAULT_OPTIM_PREFIX)
     if not isinstance(prefix, str):
@@ -326,7 +327,7 @@ def parse_rules(text: str, where: str = "<name rules>", direction: str | None = 
     rules = []
     for i, table in enumerate(tables, 1):
         what = f"{where}: rule {i}"
-        _no_unknown_keys(table, _RULE_KEYS, what)
+        check_table_keys(table, _RULE_KEYS, what, NameRuleError)
         if "match" not in table:
             raise NameRuleError(f"{what}: needs 'match' (a regular expression for the whole name)")
         if not any(k in table for k in ("rename", "transpose", "dtype")):
@@ -334,9 +335,6 @@ def parse_rules(text: str, where: str = "<name rules>", direction: str | None = 
         for key in ("match", "rename"):
             if key in table and not isinstance(table[key], str):
                 raise NameRuleError(f"{what}: {key!r} must be a string")
-        if "transpose" in table and not isinstance(table["transpose"], list):
-            raise NameRuleError(f"{what}: transpose {table['transpose']!r} is not a permutation of the dims 0..n-1",
-                                hint="e.g. transpose = [1, 0] swaps the two dims of a matrix")
         rules.append(Rule(table["match"], table.get("rename"), table.get("transpose"), table.get("dtype"), what))
     try:
         return NameRules(tuple(rules), preset, prefix)
@@ -356,14 +354,6 @@ def _file_preset(value: object, where: str, direction: str | None) -> str | None
         raise NameRuleError(f"{where}: preset {value!r} converts {PRESETS[value].direction}, "
                             f"but this conversion is {direction}")
     return value
-
-
-def _no_unknown_keys(table: object, allowed: set[str], where: str) -> None:
-    if not isinstance(table, dict):
-        raise NameRuleError(f"{where}: expected a table")
-    unknown = set(table) - allowed
-    if unknown:
-        raise NameRuleError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -417,9 +407,6 @@ class NameMapping:
 
     def __getitem__(self, source: str) -> Mapped:
         return self.entries[source]
-
-    def destination(self, source: str) -> str | None:
-        return self.entries[source].destination
 
     @property
     def unmapped(self) -> tuple[str, ...]:

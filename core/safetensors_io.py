@@ -153,6 +153,11 @@ def is_safetensors(path: Path) -> bool:
             size = os.fstat(f.fileno()).st_size
     except OSError:
         return False
+    return looks_like_safetensors(head, size)
+
+
+def looks_like_safetensors(head: bytes, size: int) -> bool:
+    """The sniff on bytes a caller has read already: the file's first 9 (or more) and its size."""
     if len(head) < 9:
         return False
     (n,) = struct.unpack("<Q", head[:8])
