@@ -108,6 +108,13 @@ def take_snapshot(work: Path) -> tuple[Path, str]:
     return base, sha
 
 
+def use_snapshot(work: Path) -> None:
+    """Take the snapshot (`take_snapshot`) and make every later hpckpt process import it."""
+    global SNAPSHOT
+    SNAPSHOT, sha = take_snapshot(work)
+    print(f"measuring hpckpt at commit {sha} (snapshot in {SNAPSHOT})", flush=True)
+
+
 @dataclass
 class Sample:
     wall: float
@@ -213,6 +220,16 @@ def resident_fraction(paths: list[Path]) -> float | None:
             r, s = line.split()
             res, size = res + int(r), size + int(s)
     return res / size if size else None
+
+
+def fresh_scratch(work: Path) -> tuple[Path, Path, Path]:
+    """(scratch, logs, ckpt) under `work`: scratch emptied and re-created, logs kept."""
+    scratch = work / "scratch"
+    remove(scratch)
+    scratch.mkdir(parents=True)
+    logs = work / "logs"
+    logs.mkdir(exist_ok=True)
+    return scratch, logs, work / "ckpt"
 
 
 def remove(path: Path) -> None:
@@ -349,20 +366,35 @@ def check_pt(path: Path, size: float) -> list[str]:
 CHECKS = {"hpckpt": check_with_hpckpt, "safetensors": check_safetensors, "pt": check_pt}
 
 
-def check_in_child(kind: str, path: Path, size: float, skip: tuple[str, ...] = ()) -> list[str]:
-    """Run a check in a fresh process: torch and hpckpt stay out of this (measuring) process."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--check", kind, str(path), "--size-gib", str(size)]
+def last_json(text: str):
+    """The JSON document on the last line of a child's output."""
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def check_in_child(kind: str, path: Path, size: float, skip: tuple[str, ...] = (), *, script: str = __file__,
+                   cwd: Path | None = None, tail: int = 400) -> list[str]:
+    """Run a check in a fresh process: torch and hpckpt stay out of this (measuring) process.
+
+    `script --check KIND PATH --size-gib SIZE` prints the list of problems as JSON on its last line;
+    when it fails, the last `tail` characters of its stderr are the one problem.
+    """
+    cmd = [sys.executable, str(Path(script).resolve()), "--check", kind, str(path), "--size-gib", str(size)]
     cmd += [a for name in skip for a in ("--check-skip", name)]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
+    result = subprocess.run(cmd, capture_output=True, text=True, env=child_env(),
+                            cwd=None if cwd is None else str(cwd))
     if result.returncode != 0:
-        return [f"check failed to run: {result.stderr.strip()[-400:]}"]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+        return [f"check failed to run: {result.stderr.strip()[-tail:]}"]
+    return last_json(result.stdout)
+
+
+def run_verify(path: Path) -> subprocess.CompletedProcess:
+    """`hpckpt verify PATH --json`, output captured."""
+    return subprocess.run([venv_bin("hpckpt"), "verify", str(path), "--json"], capture_output=True, text=True,
+                          env=child_env())
 
 
 def hpckpt_verify(path: Path) -> bool:
-    result = subprocess.run([venv_bin("hpckpt"), "verify", str(path), "--json"], capture_output=True, text=True,
-                            env=child_env())
-    return result.returncode == 0
+    return run_verify(path).returncode == 0
 
 
 # --- generation ------------------------------------------------------------------------------
@@ -371,16 +403,25 @@ def torchrun(nproc: int, script: str, *args: str) -> list[str]:
     return [venv_bin("torchrun"), "--standalone", "--nproc-per-node", str(nproc), str(HERE / script), *args]
 
 
-def generate(work: Path, size: float, regenerate: bool) -> dict:
-    ckpt = work / "ckpt"
+def reuse_inputs(ckpt: Path, size: float, regenerate: bool, what: str) -> dict | None:
+    """The inputs' record `ckpt/generated.json` when it is for `size` (and not `regenerate`);
+    otherwise None, with `ckpt` emptied and re-created for new inputs."""
     stamp = ckpt / "generated.json"
     if stamp.is_file() and not regenerate:
         info = json.loads(stamp.read_text())
         if info.get("size_gib") == size:
-            print(f"using existing checkpoints in {ckpt}", flush=True)
+            print(f"using existing {what} in {ckpt}", flush=True)
             return info
     remove(ckpt)
     ckpt.mkdir(parents=True)
+    return None
+
+
+def generate(work: Path, size: float, regenerate: bool) -> dict:
+    ckpt = work / "ckpt"
+    info = reuse_inputs(ckpt, size, regenerate, "checkpoints")
+    if info is not None:
+        return info
     dcp, hf, hp = ckpt / "torch-dcp", ckpt / "torch-hf-sharded", ckpt / "hp"
     print(f"generating {size} GiB with torch.distributed.checkpoint.save on 4 ranks ...", flush=True)
     t0 = time.perf_counter()
@@ -417,7 +458,7 @@ def generate(work: Path, size: float, regenerate: bool) -> dict:
         "files": {"torch-dcp": len(files_under([dcp])), "torch-hf-sharded": len(files_under([hf])),
                   "hp": len(files_under([hp]))},
     }
-    stamp.write_text(json.dumps(info, indent=1))
+    (ckpt / "generated.json").write_text(json.dumps(info, indent=1))
     return info
 
 
@@ -531,12 +572,7 @@ class Result:
 
 def run_all(ops: list[Op], work: Path, info: dict, size: float, caches: list[str], repeat: int,
             verify: bool) -> list[Result]:
-    scratch = work / "scratch"
-    remove(scratch)
-    scratch.mkdir(parents=True)
-    logs = work / "logs"
-    logs.mkdir(exist_ok=True)
-    ckpt = work / "ckpt"
+    scratch, logs, ckpt = fresh_scratch(work)
     results: dict[tuple[str, str], Result] = {}
     for cache in caches:
         for rep in range(repeat):
@@ -684,8 +720,13 @@ def machine_facts() -> dict:
         "git_dirty": False if SNAPSHOT is not None else bool(
             run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])),
         "snapshot": SNAPSHOT is not None,
-        "sources": source_fingerprint(SNAPSHOT / "hpckpt" if SNAPSHOT is not None else ROOT),
+        "sources": measured_sources(),
     }
+
+
+def measured_sources() -> str:
+    """Fingerprint of the hpckpt sources the children import: the snapshot's, or the working tree's."""
+    return source_fingerprint(SNAPSHOT / "hpckpt" if SNAPSHOT is not None else ROOT)
 
 
 def source_fingerprint(root: Path = ROOT) -> str:
@@ -1020,10 +1061,8 @@ def main(argv: list[str] | None = None) -> int:
     argv_shown = ["python", "bench/bench_engine.py"] + (sys.argv[1:] if argv is None else argv)
     load_before = load_avg()
     work.mkdir(parents=True, exist_ok=True)
-    global SNAPSHOT
     if not args.working_tree:
-        SNAPSHOT, sha = take_snapshot(work)
-        print(f"measuring hpckpt at commit {sha} (snapshot in {SNAPSHOT})", flush=True)
+        use_snapshot(work)
     info = generate(work, args.size_gib, args.regenerate)
     if args.generate_only:
         print(json.dumps(info["checks"]))

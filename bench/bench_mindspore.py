@@ -50,8 +50,9 @@ sys.path.insert(0, str(HERE))
 
 import bench_engine  # noqa: E402
 import ms_state  # noqa: E402
-from bench_engine import (MIB, _fmt, child_env, cp_sync, du, files_under, load_avg, machine_facts,  # noqa: E402
-                          measure, remove, venv_bin, warm)
+from bench_engine import (MIB, _fmt, check_in_child, child_env, cp_sync, du, files_under,  # noqa: E402
+                          fresh_scratch, last_json, load_avg, machine_facts, measure, measured_sources, remove,
+                          reuse_inputs, run_verify, venv_bin, warm)
 
 # --- inputs ----------------------------------------------------------------------------------
 
@@ -73,32 +74,19 @@ INPUT_DOC = {
 }
 
 
-def py() -> str:
-    return sys.executable
-
-
 def run_check(kind: str, path: Path, size: float) -> list[str]:
     """Run a check in a fresh process (MindSpore, hpckpt and numpy stay out of this one)."""
-    cmd = [py(), str(Path(__file__).resolve()), "--check", kind, str(path), "--size-gib", str(size)]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=str(ROOT))
-    if result.returncode != 0:
-        return [f"check failed to run: {result.stderr.strip()[-600:]}"]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return check_in_child(kind, path, size, script=__file__, cwd=ROOT, tail=600)
 
 
 def generate(work: Path, size: float, regenerate: bool) -> dict:
     ckpt = work / "ckpt"
-    stamp = ckpt / "generated.json"
-    if stamp.is_file() and not regenerate:
-        info = json.loads(stamp.read_text())
-        if info.get("size_gib") == size:
-            print(f"using existing inputs in {ckpt}", flush=True)
-            return info
-    remove(ckpt)
-    ckpt.mkdir(parents=True)
+    info = reuse_inputs(ckpt, size, regenerate, "inputs")
+    if info is not None:
+        return info
     print(f"generating {size} GiB with mindspore.save_checkpoint ...", flush=True)
     t0 = time.perf_counter()
-    made = subprocess.run([py(), str(HERE / "ms_make.py"), "--size-gib", str(size), "--out", str(ckpt)],
+    made = subprocess.run([sys.executable, str(HERE / "ms_make.py"), "--size-gib", str(size), "--out", str(ckpt)],
                           check=True, env=child_env(), cwd=str(ROOT), capture_output=True, text=True)
     make_s = time.perf_counter() - t0
     convert = [venv_bin("hpckpt"), "convert", str(ckpt / INPUTS["ckpt"]), "-o", str(ckpt / INPUTS["hp4"]),
@@ -116,8 +104,7 @@ def generate(work: Path, size: float, regenerate: bool) -> dict:
         "hpckpt_ranks_st": run_check("ranks", ckpt / INPUTS["ranks-st"], size),
         "hpckpt_hp4": run_check("hp:4", ckpt / INPUTS["hp4"], size),
     }
-    verify = subprocess.run([venv_bin("hpckpt"), "verify", str(ckpt / INPUTS["hp4"]), "--json"], capture_output=True,
-                            text=True, env=child_env())
+    verify = run_verify(ckpt / INPUTS["hp4"])
     checks["hpckpt_verify_hp4"] = [] if verify.returncode == 0 else [verify.stdout[-400:] + verify.stderr[-400:]]
     bad = {k: v for k, v in checks.items() if v}
     if bad:
@@ -125,14 +112,14 @@ def generate(work: Path, size: float, regenerate: bool) -> dict:
     info = {
         "size_gib": size,
         "make_s": make_s,
-        "save_s": json.loads(made.stdout.strip().splitlines()[-1])["save_s"],
+        "save_s": last_json(made.stdout)["save_s"],
         "convert_command": shlex.join(["hpckpt", *[os.path.relpath(a, ROOT) if a.startswith("/") else a
                                                    for a in convert[1:]]]),
         "checks": {k: "ok" for k in checks},
         "bytes": {k: du(ckpt / v) for k, v in INPUTS.items()},
         "files": {k: len(files_under([ckpt / v])) for k, v in INPUTS.items()},
     }
-    stamp.write_text(json.dumps(info, indent=1))
+    (ckpt / "generated.json").write_text(json.dumps(info, indent=1))
     return info
 
 
@@ -165,6 +152,27 @@ def _read_all(path: Path) -> dict:
     return out
 
 
+def _check_state(got: dict, size: float, rank: tuple[int, int] | None = None) -> list[str]:
+    """Compare {name: (array, dtype name)} with every tensor of the state: whole, or with
+    `rank` = (r, world) rank r's dim-0 slice (the 0-d tensor whole). Names not in the state are
+    not looked at (see `_unexpected`)."""
+    prefix = f"rank {rank[0]} " if rank else ""
+    bad = []
+    for name, shape, dtype in ms_state.spec(size):
+        if name not in got:
+            bad.append(f"{prefix}{name}: missing")
+            continue
+        lo, hi = ms_state.rows_of(*rank, shape[0]) if rank and shape else (None, None)
+        problem = _compare(f"{prefix}{name}", got[name][0], ms_state.expected(size, name, lo, hi), got[name][1], dtype)
+        if problem:
+            bad.append(problem)
+    return bad
+
+
+def _unexpected(got: dict, size: float, prefix: str = "") -> list[str]:
+    return [f"{prefix}{n}: unexpected" for n in sorted(set(got) - set(ms_state.names(size)))]
+
+
 def check_whole(path: Path, size: float) -> list[str]:
     """Every tensor of the state, whole, in one file or in the safetensors files of a directory."""
     got: dict = {}
@@ -173,16 +181,7 @@ def check_whole(path: Path, size: float) -> list[str]:
     files = sorted(path.glob("*.safetensors")) if path.is_dir() and not (path / ".metadata").is_file() else [path]
     for f in files:
         got.update(_read_all(f))
-    bad = []
-    for name, _shape, dtype in ms_state.spec(size):
-        if name not in got:
-            bad.append(f"{name}: missing")
-            continue
-        problem = _compare(name, got[name][0], ms_state.expected(size, name), got[name][1], dtype)
-        if problem:
-            bad.append(problem)
-    bad += [f"{n}: unexpected" for n in sorted(set(got) - set(ms_state.names(size)))]
-    return bad
+    return _check_state(got, size) + _unexpected(got, size)
 
 
 def _rank_files(path: Path) -> dict[int, Path]:
@@ -202,16 +201,7 @@ def check_ranks(path: Path, size: float) -> list[str]:
     bad = [] if sorted(ranks) == list(range(world)) else [f"rank directories {sorted(ranks)}"]
     for r, f in ranks.items():
         got = _read_all(f)
-        for name, shape, dtype in ms_state.spec(size):
-            if name not in got:
-                bad.append(f"rank {r} {name}: missing")
-                continue
-            lo, hi = ms_state.rows_of(r, world, shape[0]) if shape else (None, None)
-            problem = _compare(f"rank {r} {name}", got[name][0], ms_state.expected(size, name, lo, hi),
-                               got[name][1], dtype)
-            if problem:
-                bad.append(problem)
-        bad += [f"rank {r} {n}: unexpected" for n in sorted(set(got) - set(ms_state.names(size)))]
+        bad += _check_state(got, size, (r, world)) + _unexpected(got, size, f"rank {r} ")
     return bad
 
 
@@ -253,33 +243,13 @@ def _ms_load(path: Path) -> dict:
 def check_ms_load(path: Path, size: float) -> list[str]:
     """Read a whole-state file with MindSpore's own `load_checkpoint`."""
     got = _ms_load(path)
-    bad = []
-    for name, _shape, dtype in ms_state.spec(size):
-        if name not in got:
-            bad.append(f"{name}: missing")
-            continue
-        problem = _compare(name, got[name][0], ms_state.expected(size, name), got[name][1], dtype)
-        if problem:
-            bad.append(problem)
-    return bad + [f"{n}: unexpected" for n in sorted(set(got) - set(ms_state.names(size)))]
+    return _check_state(got, size) + _unexpected(got, size)
 
 
 def check_ms_load_ranks(path: Path, size: float) -> list[str]:
+    """MindSpore per-rank files read with MindSpore's own `load_checkpoint`, rank by rank."""
     ranks = _rank_files(path)
-    world = len(ranks)
-    bad = []
-    for r, f in ranks.items():
-        got = _ms_load(f)
-        for name, shape, dtype in ms_state.spec(size):
-            if name not in got:
-                bad.append(f"rank {r} {name}: missing")
-                continue
-            lo, hi = ms_state.rows_of(r, world, shape[0]) if shape else (None, None)
-            problem = _compare(f"rank {r} {name}", got[name][0], ms_state.expected(size, name, lo, hi),
-                               got[name][1], dtype)
-            if problem:
-                bad.append(problem)
-    return bad
+    return [p for r, f in ranks.items() for p in _check_state(_ms_load(f), size, (r, len(ranks)))]
 
 
 def run_check_here(kind: str, path: Path, size: float) -> list[str]:
@@ -301,7 +271,6 @@ class Op:
     command: Callable[[Path, Path], list[str]]  # (input directory, output path) -> argv
     output: str | None  # name of the output under the scratch directory
     checks: list[tuple[str, str]] = field(default_factory=list)  # (kind, path under the output, "" = itself)
-    show: str = ""  # the command as shown in the doc
 
 
 GROUPS = [
@@ -313,10 +282,10 @@ GROUPS = [
 ]
 
 
-def operations(scratch: Path) -> list[Op]:
+def operations() -> list[Op]:
     hp = venv_bin("hpckpt")
     tool = str(HERE / "ms_tool.py")
-    ms = lambda *a: [py(), tool, *map(str, a)]  # noqa: E731
+    ms = lambda *a: [sys.executable, tool, *map(str, a)]  # noqa: E731
 
     def i(key: str, c: Path) -> Path:
         return c / INPUTS[key]
@@ -324,8 +293,7 @@ def operations(scratch: Path) -> list[Op]:
     ops = [
         # one .ckpt -> one safetensors
         Op("ms-c2s", "MindSpore", "`ckpt_to_safetensors(model.ckpt, save_path=OUT)`", "c2s", ["ckpt"],
-           lambda c, o: ms("ckpt-to-st", i("ckpt", c), o), "c2s-out", [("whole", "model.safetensors")],
-           "python bench/ms_tool.py ckpt-to-st single/model.ckpt OUT"),
+           lambda c, o: ms("ckpt-to-st", i("ckpt", c), o), "c2s-out", [("whole", "model.safetensors")]),
         Op("hp-c2s", "hpckpt", "`convert model.ckpt -o x.safetensors`", "c2s", ["ckpt"],
            lambda c, o: [hp, "convert", str(i("ckpt", c)), "-o", str(o)], "x.safetensors",
            [("whole", ""), ("ms-load", "")]),
@@ -337,8 +305,7 @@ def operations(scratch: Path) -> list[Op]:
            lambda c, o: cp_sync(i("ckpt", c), o), "cp-out"),
         # one safetensors -> one .ckpt
         Op("ms-s2c", "MindSpore", "`safetensors_to_ckpt(model.safetensors, save_path=OUT)`", "s2c", ["st"],
-           lambda c, o: ms("st-to-ckpt", i("st", c), o), "s2c-out", [("whole", "model.ckpt")],
-           "python bench/ms_tool.py st-to-ckpt single/model.safetensors OUT"),
+           lambda c, o: ms("st-to-ckpt", i("st", c), o), "s2c-out", [("whole", "model.ckpt")]),
         Op("hp-s2c", "hpckpt", "`convert model.safetensors -o x.ckpt --to ms`", "s2c", ["st"],
            lambda c, o: [hp, "convert", str(i("st", c)), "-o", str(o), "--to", "ms"], "x.ckpt",
            [("whole", ""), ("ms-load", "")]),
@@ -352,7 +319,7 @@ def operations(scratch: Path) -> list[Op]:
         Op("ms-unified", "MindSpore", "`unified_safetensors(ranks-st, src_4.json, OUT)` (4 rank safetensors)",
            "unify", ["ranks-st", "strategy"],
            lambda c, o: ms("unified", i("ranks-st", c), c / "strategy" / "src_4.json", o), "unified-out",
-           [("whole", "")], "python bench/ms_tool.py unified ranks-st strategy/src_4.json OUT"),
+           [("whole", "")]),
         Op("hp-cons", "hpckpt", "`consolidate hp4 -o x.safetensors` (4-rank HyperParallel DCP)", "unify", ["hp4"],
            lambda c, o: [hp, "consolidate", str(i("hp4", c)), "-o", str(o)], "x.safetensors",
            [("whole", ""), ("ms-load", "")]),
@@ -366,14 +333,12 @@ def operations(scratch: Path) -> list[Op]:
         Op("ms-transform", "MindSpore", "`transform_checkpoints(ranks-ckpt, OUT, \"checkpoint_\", src_4.json, dst_8.json)` "
            "(.ckpt -> .ckpt)", "reshard", ["ranks-ckpt", "strategy"],
            lambda c, o: ms("transform", i("ranks-ckpt", c), c / "strategy" / "src_4.json",
-                           c / "strategy" / "dst_8.json", o), "transform-out", [("ranks", "")],
-           "python bench/ms_tool.py transform ranks-ckpt strategy/src_4.json strategy/dst_8.json OUT"),
+                           c / "strategy" / "dst_8.json", o), "transform-out", [("ranks", "")]),
         Op("ms-transform-st", "MindSpore", "`transform_checkpoints(ranks-st, ..., output_format=\"safetensors\")` "
            "(.safetensors -> .safetensors)", "reshard", ["ranks-st", "strategy"],
            lambda c, o: ms("transform", i("ranks-st", c), c / "strategy" / "src_4.json",
                            c / "strategy" / "dst_8.json", o, "--format", "safetensors"), "transform-st-out",
-           [("ranks", "")],
-           "python bench/ms_tool.py transform ranks-st strategy/src_4.json strategy/dst_8.json OUT --format safetensors"),
+           [("ranks", "")]),
         Op("hp-reshard", "hpckpt", "`reshard hp4 -o OUT --world-size 8` (HyperParallel DCP -> HyperParallel DCP)",
            "reshard", ["hp4"], lambda c, o: [hp, "reshard", str(i("hp4", c)), "-o", str(o), "--world-size", "8"],
            "reshard-out", [("hp:8", "")]),
@@ -386,10 +351,9 @@ def operations(scratch: Path) -> list[Op]:
            lambda c, o: cp_sync(i("ranks-ckpt", c), o), "cp-out"),
         # reading a whole .ckpt (context)
         Op("ms-load", "MindSpore", "`load_checkpoint(model.ckpt)` (whole file into Parameters; no output)", "load",
-           ["ckpt"], lambda c, o: ms("load", i("ckpt", c)), None, [],
-           "python bench/ms_tool.py load single/model.ckpt"),
+           ["ckpt"], lambda c, o: ms("load", i("ckpt", c)), None, []),
         Op("ms-import", "MindSpore", "`python -c \"import mindspore\"` (start-up alone)", "load", [],
-           lambda c, o: [py(), "-c", "import mindspore"], None),
+           lambda c, o: [sys.executable, "-c", "import mindspore"], None),
         Op("hp-pt", "hpckpt", "`convert model.ckpt -o x.pt` (whole file read, torch.save written)", "load", ["ckpt"],
            lambda c, o: [hp, "convert", str(i("ckpt", c)), "-o", str(o)], "x.pt", [("whole", "")]),
         Op("hp-pt-nf", "hpckpt", "`convert model.ckpt -o x.pt --no-fsync`", "load", ["ckpt"],
@@ -412,12 +376,7 @@ class Result:
 
 
 def run_all(ops: list[Op], work: Path, size: float, repeat: int, verify: bool) -> list[Result]:
-    scratch = work / "scratch"
-    remove(scratch)
-    scratch.mkdir(parents=True)
-    logs = work / "logs"
-    logs.mkdir(exist_ok=True)
-    ckpt = work / "ckpt"
+    scratch, logs, ckpt = fresh_scratch(work)
     results = {op.key: Result(op.key) for op in ops}
     for rep in range(repeat):
         for op in ops:
@@ -808,14 +767,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.working_tree:
         # Other sessions commit while a run lasts: every hpckpt process (commands and checks) imports
         # a `git archive` snapshot of HEAD (bench_engine's mechanism), so one run measures one commit.
-        bench_engine.SNAPSHOT, sha = bench_engine.take_snapshot(work)
-        print(f"measuring hpckpt at commit {sha} (snapshot in {bench_engine.SNAPSHOT})", flush=True)
+        bench_engine.use_snapshot(work)
     facts = machine_facts()
     info = generate(work, args.size_gib, args.regenerate)
     if args.generate_only:
         print(json.dumps(info["checks"]))
         return 0
-    ops = operations(work / "scratch")
+    ops = operations()
     if args.only:
         wanted = set(args.only.split(","))
         refs = {ref for _g, _t, ref in GROUPS}
@@ -826,10 +784,10 @@ def main(argv: list[str] | None = None) -> int:
     probe = None
     if not args.no_probe:
         print("untimed probes of MindSpore tools (bench/ms_probe.py) ...", flush=True)
-        proc = subprocess.run([py(), str(HERE / "ms_probe.py"), "--work", str(work / "probe")], capture_output=True,
-                              text=True, env=child_env(), cwd=str(ROOT))
+        proc = subprocess.run([sys.executable, str(HERE / "ms_probe.py"), "--work", str(work / "probe")],
+                              capture_output=True, text=True, env=child_env(), cwd=str(ROOT))
         try:
-            probe = json.loads(proc.stdout.strip().splitlines()[-1])
+            probe = last_json(proc.stdout)
         except (ValueError, IndexError):
             probe = {"probes": [{"what": "ms_probe.py", "result": f"failed to run (exit {proc.returncode})",
                                  "detail": proc.stderr.strip()[-400:]}]}
@@ -849,7 +807,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_after": load_avg(),
         "generated": info,
         "machine": facts,
-        "sources_after": machine_facts()["sources"],
+        "sources_after": measured_sources(),
         "versions": _versions(),
         "results": result_docs,
         "rows": rows,

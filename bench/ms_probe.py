@@ -60,10 +60,33 @@ def expected_slice(name: str, r: int, world: int) -> np.ndarray:
 def as_f32(p) -> np.ndarray:
     import mindspore as ms
 
-    t = p if not isinstance(p, np.ndarray) else None
-    if t is None:
+    if isinstance(p, np.ndarray):
         return p.astype(np.float32)
-    return t.astype(ms.float32).asnumpy() if t.dtype == ms.bfloat16 else t.asnumpy()
+    return p.astype(ms.float32).asnumpy() if p.dtype == ms.bfloat16 else p.asnumpy()
+
+
+def param_problems(label: str, params: dict, name: str, want: np.ndarray) -> list[str]:
+    """What is wrong with `params[name]` (missing, dtype, shape, values) against `want` (float32
+    values; `row.bf16` must be bfloat16, anything else float32)."""
+    import mindspore as ms
+
+    if name not in params:
+        return [f"{label}: missing"]
+    problems = []
+    want_dtype = ms.bfloat16 if name == "row.bf16" else ms.float32
+    if params[name].dtype != want_dtype:
+        problems.append(f"{label}: dtype {params[name].dtype}, want {want_dtype}")
+    got = as_f32(params[name])
+    if got.shape != want.shape:
+        problems.append(f"{label}: shape {got.shape}, want {want.shape}")
+    elif not np.array_equal(got, want):
+        problems.append(f"{label}: {int((got != want).sum())} of {want.size} elements wrong")
+    return problems
+
+
+def verdict(problems: list[str], shown: int | None = None) -> tuple[str, str]:
+    """(result, detail) of a probe: the first `shown` problems (all by default)."""
+    return ("correct", "") if not problems else ("WRONG", "; ".join(problems[:shown]))
 
 
 def compare_ranks(out: Path, world: int, fmt: str) -> tuple[str, str]:
@@ -77,18 +100,8 @@ def compare_ranks(out: Path, world: int, fmt: str) -> tuple[str, str]:
             continue
         params = ms.load_checkpoint(str(files[0]), format=fmt)
         for name in ("col.weight", "row.bf16"):
-            if name not in params:
-                problems.append(f"rank {r} {name}: missing")
-                continue
-            want_dtype = ms.bfloat16 if name == "row.bf16" else ms.float32
-            if params[name].dtype != want_dtype:
-                problems.append(f"rank {r} {name}: dtype {params[name].dtype}, want {want_dtype}")
-            got, want = as_f32(params[name]), expected_slice(name, r, world)
-            if got.shape != want.shape:
-                problems.append(f"rank {r} {name}: shape {got.shape}, want {want.shape}")
-            elif not np.array_equal(got, want):
-                problems.append(f"rank {r} {name}: {int((got != want).sum())} of {want.size} elements wrong")
-    return ("correct", "") if not problems else ("WRONG", "; ".join(problems[:6]))
+            problems += param_problems(f"rank {r} {name}", params, name, expected_slice(name, r, world))
+    return verdict(problems, 6)
 
 
 def main() -> int:
@@ -171,16 +184,8 @@ def main() -> int:
             got.update(ms.load_checkpoint(str(f), format="safetensors"))
         problems = []
         for name, want in (("col.weight", full_f32()), ("row.bf16", full_bf16_as_f32())):
-            if name not in got:
-                problems.append(f"{name}: missing")
-                continue
-            want_dtype = ms.bfloat16 if name == "row.bf16" else ms.float32
-            if got[name].dtype != want_dtype:
-                problems.append(f"{name}: dtype {got[name].dtype}, want {want_dtype}")
-            g = as_f32(got[name])
-            if g.shape != want.shape or not np.array_equal(g, want):
-                problems.append(f"{name}: values differ" if g.shape == want.shape else f"{name}: shape {g.shape}")
-        return ("correct", "") if not problems else ("WRONG", "; ".join(problems))
+            problems += param_problems(name, got, name, want)
+        return verdict(problems)
 
     probe("`unified_safetensors` of the 4 safetensors ranks (fp32 split on dim 1, bf16 on dim 0)", unified)
 
@@ -195,7 +200,7 @@ def main() -> int:
             problems.append(f"returns {merged.dtype} for bfloat16 slices")
         if not np.array_equal(as_f32(merged), full_bf16_as_f32()):
             problems.append("values differ")
-        return ("correct", "") if not problems else ("WRONG", "; ".join(problems))
+        return verdict(problems)
 
     probe("`merge_sliced_parameter` of 4 bfloat16 dim-0 slices", merge)
     print(json.dumps({"probes": probes}))

@@ -93,20 +93,6 @@ def as_float32(a: np.ndarray, dtype: str) -> np.ndarray:
     return a
 
 
-def dtype_of(size_gib: float, name: str) -> str:
-    for n, _s, d in spec(size_gib):
-        if n == name:
-            return d
-    raise KeyError(name)
-
-
-def shape_of(size_gib: float, name: str) -> tuple[int, ...]:
-    for n, s, _d in spec(size_gib):
-        if n == name:
-            return s
-    raise KeyError(name)
-
-
 def strategy(world: int, size_gib: float) -> dict:
     """A MindSpore strategy file (JSON form read by `_build_json_strategy`): dim 0 over `world`
     devices for every tensor with a dimension, the 0-d tensor replicated.
