@@ -1,7 +1,7 @@
 """Bad input never crashes: one `error:` line (and maybe one `hint:`), the documented exit code.
 
 Every case is a real damaged checkpoint on disk: a copy of a real HyperParallel fixture
-(`/work/shared/fixtures/hyperparallel`, copied before corrupting) or a small checkpoint written
+(`tests/fixtures/hyperparallel`, copied before corrupting) or a small checkpoint written
 here by the independent writer in `hp_reference` (stand-in classes with HyperParallel's module
 paths, pickled by the stock pickler, data files by the `safetensors` library), so that these
 tests do not depend on hpckpt's own writer. Most cases run through typer's CliRunner

@@ -69,6 +69,8 @@ def metadata_files() -> list[Path]:
     files = []
     for name in FIXTURE_NAMES:
         root = FIXTURES / name
+        if not root.is_dir():
+            continue  # the autouse check in conftest fails the tests and names what is missing
         files += sorted(p for p in root.iterdir() if p.name == ".metadata" or p.name.endswith(".metadata")
                         or (p.name.startswith(".rank") and p.name.endswith("_metadata")))
     return files
@@ -104,7 +106,7 @@ def summary(md: Any) -> dict:
 
 
 def test_fixture_metadata_files_are_all_found():
-    assert len(METADATA_FILES) == 12  # 3 x .metadata, 0-3.metadata, 0.metadata, .rank0-3_metadata
+    assert len(METADATA_FILES) == 13  # 4 x .metadata, 0-3.metadata, 0.metadata, .rank0-3_metadata
     assert {p.parent.name for p in METADATA_FILES} == set(FIXTURE_NAMES)
 
 

@@ -115,7 +115,11 @@ def test_every_fixture_verifies_clean(name):
     fixture = FIXTURES / name
     code, report = verify(fixture)
     check_schema(report, fixture)
-    assert (code, report["ok"], report["findings"]) == (0, True, [])
+    # HyperParallel's storage-coordinated async save leaves its plan files behind: warnings only.
+    left = [f"LOCAL_PLAN_{r}.pkl" for r in range(4)] if name.endswith("-async") else []
+    assert (code, report["ok"]) == (0, True)
+    assert [(f["kind"], f["severity"], f["file"]) for f in report["findings"]] == [
+        ("interrupted-save", "warning", f) for f in left]
     assert report["format"] == ("hyperparallel-legacy" if name.startswith("legacy") else "hyperparallel")
     # The counts agree with the fixture's independently written ground truth.
     assert report["checked"]["tensors"] == len(safetensors_keys(fixture / "expected.safetensors"))
