@@ -1,4 +1,4 @@
-"""Tests for cli/completion.py: the static bash/zsh/fish completion scripts.
+"""Tests for cli/completion/: the static bash/zsh/fish completion scripts.
 
 The scripts are run in the real shells (bash always; zsh and fish when
 installed: `apt-get install zsh fish`) on a small toy typer app, so that a
@@ -19,7 +19,7 @@ from typing import Annotated, Optional
 import pytest
 import typer
 
-_MODULE_PATH = Path(__file__).parents[1] / "cli" / "completion.py"
+_MODULE_PATH = Path(__file__).parents[1] / "cli" / "completion" / "__init__.py"
 
 
 def _load_completion():
@@ -173,7 +173,7 @@ def test_unknown_shell_is_rejected() -> None:
     ],
 )
 def test_plain_click_param_types_are_classified(ptype, expected) -> None:
-    value = completion._value_of(SimpleNamespace(type=ptype))
+    value = completion.value_of(SimpleNamespace(type=ptype))
     assert (value.kind, value.choices) == expected
 
 
