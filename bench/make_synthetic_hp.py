@@ -16,7 +16,7 @@ over the ranks. (A real AdamW state has a `step` per parameter, i.e. a quarter o
 small (dim 0 in [64, 128], dim 1 = 8; weights bfloat16, norms and optimizer state float32) so the
 data is a few tens of MB even though there are ~640,000 chunks; the data bytes are zeros.
 
-The files are written by the product writer `hpckpt.converters.hyperparallel_write.write_checkpoint`
+The files are written by the product writer `hpckpt.converters.hyperparallel.from_memory.write_checkpoint`
 (one safetensors file and at most one bytes file per rank, `.metadata` last), so the benchmark
 reads exactly what hpckpt itself writes. OUT is deleted and recreated. Deterministic.
 """
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from hpckpt.converters.hyperparallel_write import ChunkData, write_checkpoint
+from hpckpt.converters.hyperparallel.from_memory import ChunkData, write_checkpoint
 from hpckpt.core.box import Box
 from hpckpt.core.dtypes import dtype
 

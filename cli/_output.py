@@ -12,6 +12,19 @@ def emit_json(document: Any) -> None:
     sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
 
 
+def warn(message: str) -> None:
+    """One `warning:` line on stderr (also in --json mode: stdout holds only the document)."""
+    sys.stderr.write(f"warning: {message}\n")
+    sys.stderr.flush()
+
+
+def warn_skipped(report) -> None:
+    """What the target format cannot hold must not go unnoticed."""
+    skipped = report.get("skipped") or []
+    if skipped:
+        warn(f"not written (the {report['format']} format cannot hold them): {', '.join(skipped)}")
+
+
 def stdout_console():
     from rich.console import Console
 

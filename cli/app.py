@@ -14,6 +14,7 @@ import typer
 from hpckpt import __version__
 from hpckpt.cli import consolidate as consolidate_cmd
 from hpckpt.cli import convert as convert_cmd
+from hpckpt.cli import convert_ms_torch as convert_ms_torch_cmd
 from hpckpt.cli import env as env_cmd
 from hpckpt.cli import inspect as inspect_cmd
 from hpckpt.cli import reshard as reshard_cmd
@@ -52,7 +53,7 @@ app.command("verify")(verify_cmd.verify)
 app.command("reshard", epilog=reshard_cmd.EXAMPLES)(reshard_cmd.reshard)
 app.command("consolidate", epilog=consolidate_cmd.EXAMPLES)(consolidate_cmd.consolidate)
 app.command("convert", epilog=convert_cmd.EXAMPLES)(convert_cmd.convert)
-app.command("convert-ms-torch", epilog=convert_cmd.MS_TORCH_EXAMPLES)(convert_cmd.convert_ms_torch)
+app.command("convert-ms-torch", epilog=convert_ms_torch_cmd.EXAMPLES)(convert_ms_torch_cmd.convert_ms_torch)
 app.command("env")(env_cmd.env)
 
 

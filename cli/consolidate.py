@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Annotated
 
 import typer
 
+from hpckpt.cli import _options as opt
 from hpckpt.cli._errors import handles_errors
 
 EXAMPLES = """Examples:
@@ -14,42 +15,48 @@ EXAMPLES = """Examples:
   hpckpt consolidate ckpt/ -o model.safetensors --include 'model.*'
   hpckpt consolidate ckpt/ -o hf-model/ --format hf --max-shard-size 5GB --dtype bf16
   hpckpt consolidate ckpt/ -o model.pt --format pt      torch.load(..., weights_only=True)
-  hpckpt consolidate ckpt/ -o one-rank/ --format dcp    HyperParallel DCP, one rank
+  hpckpt consolidate ckpt/ -o one-rank/ --format hp     HyperParallel DCP, one rank
 """
 
 
 @handles_errors
 def consolidate(
-    src: Path = typer.Argument(..., help="Source checkpoint (any format hpckpt reads)."),
-    out: Path = typer.Option(..., "--output", "-o", help="Output file (safetensors, pt) or directory (hf, dcp)."),
-    fmt: str = typer.Option("safetensors", "--format", "-f", help="safetensors, hf, pt or dcp."),
-    include: Optional[List[str]] = typer.Option(None, "--include", "-i", metavar="GLOB", help="Only entries matching (repeatable)."),
-    exclude: Optional[List[str]] = typer.Option(None, "--exclude", "-x", metavar="GLOB", help="Leave out entries matching (repeatable)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast floating tensors: bf16, fp16, fp32, fp64."),
-    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="hf: largest shard (5GB = 5*10^9 bytes, 4GiB = 4*2^30)."),
-    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Files written in parallel (hf)."),
-    max_memory: str = typer.Option("64MiB", "--max-memory", help="Memory budget for copy buffers."),
-    no_fsync: bool = typer.Option(False, "--no-fsync", help="Skip fsync: faster; still safe if killed, not on power loss."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing output."),
-    json_output: bool = typer.Option(False, "--json", help="Print one JSON document."),
+    src: Annotated[Path, typer.Argument(help="Source checkpoint (any format hpckpt reads).")],
+    out: Annotated[Path, typer.Option("--output", "-o", help="Output file (safetensors, pt, ms) or directory (hf, hp, torch-dcp).")],
+    fmt: Annotated[str, typer.Option("--format", "-f", help="Any format hpckpt writes: safetensors, hf, pt, ms, hp, torch-dcp.")] = "safetensors",
+    include: opt.Include = None,
+    exclude: opt.Exclude = None,
+    dtype: opt.DType = None,
+    max_shard_size: opt.MaxShardSize = "5GB",
+    jobs: opt.Jobs = None,
+    max_memory: opt.MaxMemory = "64MiB",
+    no_fsync: opt.NoFsync = False,
+    force: opt.Force = False,
+    json_output: opt.Json = False,
 ) -> None:
     """Merge a sharded checkpoint into whole tensors for release or inference."""
     from hpckpt import api
-    from hpckpt.cli._output import TerminalProgress, emit_json, human_bytes
+    from hpckpt.cli import _targets
+    from hpckpt.cli._output import TerminalProgress, emit_json, human_bytes, warn, warn_skipped
+    from hpckpt.converters import DEPRECATED_ALIASES, format_named
 
-    if fmt not in api.CONSOLIDATE_FORMATS:
-        raise typer.BadParameter(f"choose one of {', '.join(api.CONSOLIDATE_FORMATS)}", param_hint="--format")
     try:
-        budget = api.parse_size(max_memory)
+        target = format_named(fmt)
         api.parse_size(max_shard_size)
     except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
+        raise typer.BadParameter(str(exc), param_hint="--format") from None
+    if fmt in DEPRECATED_ALIASES:
+        warn(f"--format {fmt} is deprecated: it means {target.name} (hp); PyTorch's DCP is torch-dcp")
     with TerminalProgress("consolidate", enabled=not json_output) as progress:
-        report = api.consolidate(src, out, fmt, include=include or (), exclude=exclude or (), dtype=dtype,
-                                 max_shard_size=max_shard_size, force=force, jobs=jobs, max_memory=budget,
-                                 progress=progress, sync=not no_fsync)
+        try:
+            settings = _targets.settings(jobs, max_memory, no_fsync, force, progress)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+        report = api.consolidate(src, out, target.name, select=_targets.selection(include, exclude), dtype=dtype,
+                                 max_shard_size=max_shard_size, settings=settings)
+    warn_skipped(report)
     if json_output:
-        emit_json(report)
+        emit_json(report.to_json())
     else:
-        print(f"{report['destination']} ({fmt}): {human_bytes(report['bytes_written'])} written in "
+        print(f"{report['destination']} ({report['format']}): {human_bytes(report['bytes_written'])} written in "
               f"{report['seconds']:.2f} s ({report['gb_per_s'] or 0:.2f} GB/s)")

@@ -30,14 +30,13 @@ def inspect(
     """Show the format, world size, files, tensors (dtype, shape, chunks) and values of a checkpoint."""
     from hpckpt import api
 
-    document = api.inspect(path, include or (), exclude or (), shards or (), decode_values=not no_values)
+    document = api.inspect(path, api.Selection.of(include, exclude), shards or (), decode_values=not no_values).to_json()
     if json_output:
         from hpckpt.cli._output import emit_json
 
         emit_json(document)
     else:
         render(document)
-
 
 
 def render(doc: dict) -> None:

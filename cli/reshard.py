@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Annotated, List, Optional
 
 import typer
 
+from hpckpt.cli import _options as opt
 from hpckpt.cli._errors import handles_errors
 
 EXAMPLES = """Examples:
@@ -22,60 +23,37 @@ EXAMPLES = """Examples:
 """
 
 
-def layout_spec(src, world_size, split, mesh, placements, rules, layout_files, keep_layout):
-    """The target layout the options name (shared by reshard and convert), checked for conflicts."""
-    from hpckpt import api
-    from hpckpt.core.layout import LayoutSpec, Mesh, load_rules, parse_mesh, parse_placements
-
-    if keep_layout:
-        if placements or rules or layout_files or (world_size is None) == (mesh is None):
-            raise typer.BadParameter("--keep-layout goes with exactly one of --world-size or --mesh, and nothing else")
-        return api.keep_layout_spec(src, Mesh((world_size,)) if world_size is not None else parse_mesh(mesh))
-    chosen = sum(x is not None and x != [] for x in (world_size, mesh, layout_files))
-    if chosen != 1 and not (rules and chosen == 0):
-        raise typer.BadParameter("give exactly one target: --world-size, --mesh (with --placements or "
-                                 "--layout-rules), --layout-rules with a mesh inside, or --layout-file")
-    if world_size is not None:
-        return LayoutSpec.for_world_size(world_size, split)
-    if layout_files:
-        return LayoutSpec.from_layout_files(layout_files)
-    target_mesh = parse_mesh(mesh) if mesh else None
-    if rules is not None:
-        spec = LayoutSpec.from_toml(rules, mesh=target_mesh)
-        if placements:
-            spec.default = parse_placements(placements, split)
-        return spec
-    if not placements:
-        raise typer.BadParameter("--mesh needs --placements (or --layout-rules)")
-    return LayoutSpec(target_mesh, parse_placements(placements, split), load_rules(rules) if rules else ())
-
-
 @handles_errors
 def reshard(
-    src: Optional[Path] = typer.Argument(None, help="Source checkpoint (any format hpckpt reads); with --finalize, the destination."),
-    out: Optional[Path] = typer.Option(None, "--output", "-o", help="Destination directory (HyperParallel DCP)."),
-    world_size: Optional[int] = typer.Option(None, "--world-size", "-w", min=1, help="FSDP-style target: dim 0 split over N ranks."),
-    split: str = typer.Option("balanced", "--split", help="Uneven split rule: balanced (HyperParallel) or ceil (PyTorch)."),
-    mesh: Optional[str] = typer.Option(None, "--mesh", help="Target device mesh, e.g. 2x4."),
-    placements: Optional[str] = typer.Option(None, "--placements", help="Placement per mesh dim, e.g. R,S0."),
-    rules: Optional[Path] = typer.Option(None, "--layout-rules", help="TOML file of per-tensor placements (see README)."),
-    layout_files: Optional[List[Path]] = typer.Option(None, "--layout-file", help="HyperParallel .layout JSON (repeatable)."),
-    keep_layout: bool = typer.Option(False, "--keep-layout", help="Keep each tensor's layout; change only the mesh size."),
-    rank: Optional[List[str]] = typer.Option(None, "--rank", "-r", metavar="R", help="Write only these target ranks (e.g. 3, 0-7); repeatable."),
-    finalize: bool = typer.Option(False, "--finalize", help="Write the metadata of a fanned-out reshard."),
-    include: Optional[List[str]] = typer.Option(None, "--include", "-i", metavar="GLOB", help="Only entries matching (repeatable)."),
-    exclude: Optional[List[str]] = typer.Option(None, "--exclude", "-x", metavar="GLOB", help="Leave out entries matching (repeatable)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast floating tensors: bf16, fp16, fp32, fp64."),
-    framework: Optional[str] = typer.Option(None, "--framework", help="dtype strings as torch or mindspore writes them (default: the source's)."),
-    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Files written in parallel (default: cores, at most 8)."),
-    max_memory: str = typer.Option("64MiB", "--max-memory", help="Memory budget for copy buffers."),
-    no_fsync: bool = typer.Option(False, "--no-fsync", help="Skip fsync: faster; still safe if killed, not on power loss."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing destination."),
-    dry_run: bool = typer.Option(False, "--plan", "--dry-run", help="Print what each target rank reads and writes; copy nothing."),
-    json_output: bool = typer.Option(False, "--json", help="Print one JSON document."),
+    src: Annotated[Optional[Path], typer.Argument(
+        help="Source checkpoint (any format hpckpt reads); with --finalize, the destination.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--output", "-o", help="Destination directory (HyperParallel DCP).")] = None,
+    world_size: opt.WorldSize = None,
+    split: opt.Split = "balanced",
+    mesh: opt.MeshOption = None,
+    placements: opt.Placements = None,
+    rules: opt.LayoutRules = None,
+    layout_files: opt.LayoutFiles = None,
+    keep_layout: Annotated[bool, typer.Option("--keep-layout", help="Keep each tensor's layout; change only the mesh size.")] = False,
+    rank: Annotated[Optional[List[str]], typer.Option(
+        "--rank", "-r", metavar="R", help="Write only these target ranks (e.g. 3, 0-7); repeatable.")] = None,
+    finalize: Annotated[bool, typer.Option("--finalize", help="Write the metadata of a fanned-out reshard.")] = False,
+    include: opt.Include = None,
+    exclude: opt.Exclude = None,
+    dtype: opt.DType = None,
+    framework: Annotated[Optional[str], typer.Option(
+        "--framework", help="dtype strings as torch or mindspore writes them (default: the source's).")] = None,
+    jobs: opt.Jobs = None,
+    max_memory: opt.MaxMemory = "64MiB",
+    no_fsync: opt.NoFsync = False,
+    force: opt.Force = False,
+    dry_run: Annotated[bool, typer.Option(
+        "--plan", "--dry-run", help="Print what each target rank reads and writes; copy nothing.")] = False,
+    json_output: opt.Json = False,
 ) -> None:
     """Reshard a checkpoint to a new world size or layout (output: HyperParallel DCP)."""
     from hpckpt import api
+    from hpckpt.cli import _targets
     from hpckpt.cli._output import TerminalProgress, emit_json, parse_ranks
 
     if finalize:
@@ -85,26 +63,26 @@ def reshard(
     else:
         if src is None or out is None:
             raise typer.BadParameter("give SRC and -o DST")
-        try:
-            spec = layout_spec(src, world_size, split, mesh, placements, rules, layout_files, keep_layout)
-            ranks = parse_ranks(rank)
-            budget = api.parse_size(max_memory)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc)) from None
+        _targets.check_framework(framework)
         with TerminalProgress("reshard", enabled=not json_output) as progress:
-            report = api.reshard(src, out, spec, include=include or (), exclude=exclude or (), ranks=ranks,
-                                 force=force, jobs=jobs, max_memory=budget, framework=framework, dtype=dtype,
-                                 dry_run=dry_run, progress=progress, sync=not no_fsync)
+            try:
+                spec = _targets.layout_spec(src, world_size, split, mesh, placements, rules, layout_files, keep_layout)
+                ranks = parse_ranks(rank)
+                settings = _targets.settings(jobs, max_memory, no_fsync, force, progress)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc)) from None
+            report = api.reshard(src, out, spec, select=_targets.selection(include, exclude), ranks=ranks,
+                                 framework=framework, dtype=dtype, settings=settings, dry_run=dry_run)
     if json_output:
-        emit_json(report)
+        emit_json(report.to_json())
     else:
         render(report)
 
 
-def render(report: dict) -> None:
+def render(report) -> None:
     from hpckpt.cli._output import human_bytes, write_table
 
-    if report.get("finalized") and "plan" not in report:
+    if "plan" not in report:
         print(f"Finalized {report['destination']}: {report['files']} files, metadata written")
         return
     plan = report["plan"]

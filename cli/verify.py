@@ -22,7 +22,7 @@ def verify(
     """
     from hpckpt import api
 
-    report = api.verify(path, strict=strict)
+    report = api.verify(path, strict=strict).to_json()
     if json_output:
         from hpckpt.cli._output import emit_json
 

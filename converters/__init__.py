@@ -1,40 +1,80 @@
-"""Format adapters and format detection: `detect(path)` finds the adapter, `open_index` reads.
+"""The format registry: every format hpckpt reads or writes, by the one name every command uses.
 
-The order of `ADAPTERS` matters: the first whose `sniff` answers True wins, so the more specific
-formats come first.
+`FORMATS` is the only list of formats. Its order is the detection order (the first reader whose
+`sniff` answers True wins, so the more specific formats come first). A format's `name` is what
+`inspect` reports, what `convert --to` and `consolidate --format` take, and what the docs say;
+its `aliases` are accepted on the command line too (`hp`, `pt`, `ms`, `hf`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from hpckpt.converters.base import FormatAdapter
-from hpckpt.converters.hf_sharded import HfShardedAdapter
-from hpckpt.converters.hyperparallel_dcp import HyperParallelAdapter
-from hpckpt.converters.mindspore_ckpt import MindSporeCkptAdapter
-from hpckpt.converters.safetensors_file import SafetensorsFileAdapter
-from hpckpt.converters.torch_dcp import TorchDcpAdapter
-from hpckpt.converters.torch_save_file import TorchSaveAdapter
+from hpckpt.converters.base import Format
+from hpckpt.converters.hf_sharded import HfShardedReader, HfShardedWriter
+from hpckpt.converters.hyperparallel.reader import HyperParallelReader
+from hpckpt.converters.hyperparallel.writer import HyperParallelWriter
+from hpckpt.converters.mindspore_ckpt import MindSporeCkptReader, MindSporeCkptWriter
+from hpckpt.converters.safetensors_file import SafetensorsFileReader, SafetensorsWriter
+from hpckpt.converters.torch_dcp import TorchDcpReader, TorchDcpWriter
+from hpckpt.converters.torch_save_file import TorchSaveFileWriter, TorchSaveReader
 from hpckpt.core.errors import CorruptMetadataError, NotACheckpointError, PathNotFoundError, UnknownFormatError
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.unpickle import SNIFF_BYTES, pickle_globals, sniff_head
 
-ADAPTERS: tuple[FormatAdapter, ...] = (
-    HyperParallelAdapter(),
-    TorchDcpAdapter(),
-    HfShardedAdapter(),
-    MindSporeCkptAdapter(),
-    SafetensorsFileAdapter(),
-    TorchSaveAdapter(),
+_HP_READER = HyperParallelReader()
+
+FORMATS: tuple[Format, ...] = (
+    Format("hyperparallel", "HyperParallel DCP (.metadata + _rank{r}_.safetensors/.bytes)", ("hp",),
+           _HP_READER, HyperParallelWriter, "dir"),
+    Format("hyperparallel-legacy", "HyperParallel DCP, legacy layout (read only)", (), None, None, "dir"),
+    Format("torch-dcp", "PyTorch Distributed Checkpoint (.metadata + __{rank}_{i}.distcp)", (),
+           TorchDcpReader(), TorchDcpWriter, "dir"),
+    Format("hf-sharded", "Hugging Face sharded safetensors (model.safetensors.index.json + shards)", ("hf",),
+           HfShardedReader(), HfShardedWriter, "dir", whole_tensors=True),
+    Format("mindspore-ckpt", "one MindSpore .ckpt file", ("ms", "ckpt"),
+           MindSporeCkptReader(), MindSporeCkptWriter, "file", whole_tensors=True, extensions=(".ckpt",)),
+    Format("safetensors", "one safetensors file", (), SafetensorsFileReader(), SafetensorsWriter, "file",
+           whole_tensors=True, extensions=(".safetensors",)),
+    Format("torch-save", "a torch.save file (.pt, .pth, .bin; zip format)", ("pt",),
+           TorchSaveReader(), TorchSaveFileWriter, "file", whole_tensors=True, extensions=(".pt", ".pth", ".bin")),
 )
+
+#: The old spelling `consolidate --format dcp` (HyperParallel); accepted with a warning, since
+#: "dcp" alone does not say whose DCP.
+DEPRECATED_ALIASES = {"dcp": "hyperparallel"}
+_BY_NAME = {name: f for f in FORMATS for name in (f.name, *f.aliases)}
+
+
+def writable() -> tuple[Format, ...]:
+    return tuple(f for f in FORMATS if f.writer is not None)
+
+
+def format_named(name: str) -> Format:
+    """The format a name or alias stands for.
+
+    Raises:
+        ValueError: no such writable or readable format (the message lists them).
+    """
+    found = _BY_NAME.get(DEPRECATED_ALIASES.get(name, name))
+    if found is None:
+        listed = ", ".join(f"{f.name} ({', '.join(f.aliases)})" if f.aliases else f.name for f in writable())
+        raise ValueError(f"unknown format {name!r}: choose one of {listed}")
+    return found
+
+
+def format_for_extension(path: Path | str) -> Format | None:
+    """The single-file format a destination's extension names (`.pt`, `.ckpt`, `.safetensors`)."""
+    suffix = Path(path).suffix.lower()
+    return next((f for f in FORMATS if suffix in f.extensions), None)
 
 
 def recognised() -> str:
-    return ", ".join(a.name for a in ADAPTERS)
+    return ", ".join(f.name for f in FORMATS if f.reader is not None)
 
 
-def detect(path: Path) -> FormatAdapter:
-    """Return the adapter for `path`.
+def detect(path: Path) -> Format:
+    """Return the format of the checkpoint at `path`.
 
     Raises:
         PathNotFoundError: `path` does not exist.
@@ -43,9 +83,9 @@ def detect(path: Path) -> FormatAdapter:
     """
     if not path.exists():
         raise PathNotFoundError(f"{path}: no such file or directory")
-    for adapter in ADAPTERS:
-        if adapter.sniff(path):
-            return adapter
+    for fmt in FORMATS:
+        if fmt.reader is not None and fmt.reader.sniff(path):
+            return fmt
     if path.is_dir() and (path / ".metadata").is_file():
         _refuse_unreadable_metadata(path / ".metadata")
         raise UnknownFormatError(
@@ -85,7 +125,7 @@ def open_index(path: Path | str, *, use_cache: bool = False) -> CheckpointIndex:
     path = Path(path)
     if path.is_file() and path.name.endswith("metadata"):
         path = path.parent  # `hpckpt inspect ckpt/.metadata` means the checkpoint directory
-    adapter = detect(path)
-    if use_cache and isinstance(adapter, HyperParallelAdapter):
-        return adapter.read_index(path, use_cache=True)
-    return adapter.read_index(path)
+    fmt = detect(path)
+    if use_cache and fmt.reader is _HP_READER:
+        return _HP_READER.read_index(path, use_cache=True)
+    return fmt.reader.read_index(path)

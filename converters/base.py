@@ -1,26 +1,102 @@
-"""The format adapter protocol: one small object per checkpoint format."""
+"""The format protocol: one `Format` per checkpoint format, with a reader half and a writer half.
+
+Every command is one pipeline (`hpckpt.api.pipeline`):
+
+    open -> select -> layout -> plan -> writer -> engine -> commit -> report
+
+and a format takes part in two of its steps, through the objects below. Nothing else in hpckpt
+knows a format's file names, metadata classes or byte layout.
+
+Reading (`FormatReader`), in this order:
+
+1. (`converters.detect`) `sniff(path)` on every registered reader, in registry order: cheap,
+   file names and a few header bytes, never a whole file. The first that answers True wins.
+2. (`converters.open_index`) `read_index(path)` parses and validates the metadata and returns a
+   `core.index.CheckpointIndex` whose locator reaches the data lazily, chunk by chunk.
+
+Writing (`FormatWriter`), one writer object per run, in this order:
+
+1. (pipeline) `layout(plan, values)`, once, with the frozen, format-neutral `core.plan.Plan` and
+   the decoded non-tensor values: returns a `core.output.OutputLayout`, every data file the plan's
+   producing ranks write, with its size, the bytes the format knows up front (headers, pickles,
+   small records) at their offsets, where each planned box's bytes go (byte ranges, in row-major
+   order), which ranges need a CRC-32, and what the format cannot hold (`skipped`, with reasons).
+   The writer never copies tensor bytes; it only says where they go.
+2. (engine, `core.engine`) creates the files in the staging directory, writes the fixed bytes,
+   fills every box from the source (a checkpoint on disk, or arrays in memory) and computes the
+   CRC-32s asked for.
+3. (pipeline) `finish(crcs)` returns a `core.output.Finished`: the bytes that depended on the
+   data (zip descriptors and directories, a `.ckpt` CRC trailer) as patches, and the metadata
+   files of the whole plan (every rank, also in a fan-out run), which the commit writes last.
+4. (pipeline) `expected_files(plan)` names every data file of the whole plan: what a fan-out
+   `finalize` waits for.
+
+To add a format: write a module in `converters/` with a reader and/or a writer class following
+these protocols and add its `Format` to `converters.FORMATS` (docs/architecture.md).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from hpckpt.core.index import CheckpointIndex
+from hpckpt.core.output import Finished, OutputLayout
+from hpckpt.core.plan import Plan
 
 
-class FormatAdapter(Protocol):
-    """Reads one checkpoint format into a `CheckpointIndex`.
-
-    Call order: `converters.detect` calls `sniff` on every adapter (cheap: file names and a few
-    header bytes, never a whole file); the first that answers True gets `read_index`, which parses
-    and validates the metadata and returns an index whose locator reads the data lazily.
-    """
-
-    name: str  # stable identifier used in --json output and `--from`
-    description: str
+class FormatReader(Protocol):
+    """Reads one checkpoint format into a `CheckpointIndex`."""
 
     def sniff(self, path: Path) -> bool:
-        """Return True when `path` is a checkpoint of this format."""
+        """Return True when `path` is a checkpoint of this format (cheaply)."""
 
     def read_index(self, path: Path) -> CheckpointIndex:
         """Parse `path`. Raises typed `HpckptError`s naming the file and entry at fault."""
+
+
+@dataclass(frozen=True)
+class WriterOptions:
+    """What a writer may be asked besides the plan.
+
+    `framework` ("torch", "mindspore" or None) is how dtypes and file flavours are spelled when
+    the user asks; `source_framework` is the source's, for formats that keep it by default.
+    `name` is the destination's file name (single-file formats name their file after it).
+    """
+
+    name: str = ""
+    framework: str | None = None
+    source_framework: str | None = None
+    max_shard_bytes: int = 5 * 10**9
+    crc: bool = False
+
+
+class FormatWriter(Protocol):
+    """Lays out a plan in one format's files; see the module docstring for the call order."""
+
+    def layout(self, plan: Plan, values: Mapping[str, Any]) -> OutputLayout: ...
+
+    def finish(self, crcs: Mapping[str, int]) -> Finished: ...
+
+    def expected_files(self, plan: Plan) -> list[str]: ...
+
+
+@dataclass(frozen=True)
+class Format:
+    """One checkpoint format: its name (the one word every command and document uses), the
+    names it also answers to, and its halves.
+
+    `destination` is "dir" or "file"; `whole_tensors` formats store every tensor whole (one
+    rank), so any plan given to them is a consolidation; `layouts` formats store any layout.
+    """
+
+    name: str
+    description: str
+    aliases: tuple[str, ...] = ()
+    reader: FormatReader | None = None
+    writer: type | None = None  # called with WriterOptions, gives a FormatWriter
+    destination: str = "dir"
+    whole_tensors: bool = False
+    extensions: tuple[str, ...] = ()

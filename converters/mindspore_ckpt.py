@@ -1,13 +1,29 @@
 """A MindSpore `.ckpt` file: one protobuf stream of tensors (some split over several Values) and
-`str` values, indexed by walking its fields (`core.mindspore_ckpt.scan`), read by byte range."""
+`str` values, indexed by walking its fields (`core.mindspore_ckpt.scan`), read by byte range.
+
+Written as `mindspore.save_checkpoint` writes it, byte for byte: every tensor a Value whose
+header follows from its dtype and shape, cut every `SPLIT_BYTES` into Values with the same tag
+(MindSpore's synchronous save), then the values: `str` as MindSpore stores them, bool/int/float
+as 0-d tensors (what `save_checkpoint(append_dict=...)` does); with `--crc`, the CRC-32 trailer.
+Zero-element tensors and other values cannot be held: they are reported as skipped.
+"""
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from hpckpt.converters.base import WriterOptions
+from hpckpt.converters.safetensors_file import whole_tensors
+from hpckpt.core import dtypes
 from hpckpt.core import mindspore_ckpt as ckpt
+from hpckpt.core.output import Extent, FileLayout, Finished, OutputLayout, Placement
+from hpckpt.core.plan import Plan
 from hpckpt.core import safetensors_io
 from hpckpt.core.errors import CorruptDataError, EntryMismatchError, UnknownFormatError
 from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry, parse_range_key
@@ -71,7 +87,7 @@ def _refuse_unsupported(scan: ckpt.CkptScan) -> None:
                              f"hpckpt cannot read: {listed}{more}")
 
 
-class MindSporeCkptAdapter:
+class MindSporeCkptReader:
     """`FormatAdapter` for a single MindSpore `.ckpt` file."""
 
     name = "mindspore-ckpt"
@@ -124,3 +140,78 @@ class MindSporeCkptAdapter:
             world_size=None,
             notes=notes,
         )
+
+
+_SCALAR_TYPES = {bool: "bool", int: "int64", float: "float32"}
+_CRC = "crc"
+
+
+class MindSporeCkptWriter:
+    """`FormatWriter` of a MindSpore `.ckpt` (call order in `converters.base`)."""
+
+    def __init__(self, options: WriterOptions):
+        self.options = options
+        self._crc_at: int | None = None
+
+    def layout(self, plan: Plan, values: Mapping[str, Any]) -> OutputLayout:
+        fixed, boxes, skipped, position = [], [], [], 0
+        split = max(1, int(ckpt.SPLIT_BYTES))
+
+        def emit(data: bytes) -> None:
+            nonlocal position
+            fixed.append((position, data))
+            position += len(data)
+
+        for tensor, planned in whole_tensors(plan, "mindspore-ckpt"):
+            spelling = ckpt.writable_spelling(tensor.dtype).encode()
+            nbytes = tensor.box_nbytes(planned)
+            if nbytes == 0:
+                skipped.append((tensor.fqn, "zero-element tensors cannot be stored in a .ckpt"))
+                continue
+            tag, extents = _tag(tensor.fqn), []
+            for start in range(0, nbytes, split):
+                piece = min(split, nbytes - start)
+                emit(ckpt.piece_header(tag, tensor.shape, spelling, piece))
+                extents.append(Extent(position, piece))
+                position += piece
+            boxes.append(Placement(tensor, planned, tuple(extents)))
+        for value in plan.values:
+            data = values[value.fqn]
+            if isinstance(data, str):
+                emit(_string_value(value.fqn, data))
+            elif type(data) in _SCALAR_TYPES:
+                kind = dtypes.dtype(_SCALAR_TYPES[type(data)])
+                content = np.array(data, dtype=kind.np).tobytes()
+                emit(ckpt.piece_header(_tag(value.fqn), (), ckpt.writable_spelling(kind).encode(), len(content)) + content)
+            else:
+                skipped.append((value.fqn, f"a .ckpt holds str, int, float and bool values, not {type(data).__name__}"))
+        checksums = ()
+        if self.options.crc:
+            self._crc_at = position
+            checksums = ((_CRC, 0, position),)
+            position += ckpt.CRC_TRAILER_BYTES
+        layout = FileLayout(self.options.name, position, tuple(fixed), tuple(boxes), checksums)
+        return OutputLayout((layout,), tuple(skipped))
+
+    def expected_files(self, plan: Plan) -> list[str]:
+        return [self.options.name]
+
+    def finish(self, crcs: Mapping[str, int]) -> Finished:
+        if self._crc_at is None:
+            return Finished()
+        trailer = ckpt.CRC_MARK + crcs[_CRC].to_bytes(10, "big")
+        return Finished(((self.options.name, self._crc_at, trailer),))
+
+
+def _tag(name: str) -> bytes:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"entry names must be non-empty strings, not {name!r}")
+    return name.encode("utf-8")
+
+
+def _string_value(name: str, text: str) -> bytes:
+    """A `str` value as MindSpore stores it (`dims [0]`, numpy `<U` bytes = UTF-32-LE)."""
+    if text.endswith("\x00"):
+        raise ValueError(f"{name}: MindSpore drops trailing NUL characters of str values")
+    content = text.encode("utf-32-le") or b"\x00" * 4  # numpy stores "" as one NUL (<U1)
+    return ckpt.piece_header(_tag(name), (0,), ckpt.STRING_TYPE.encode(), len(content)) + content

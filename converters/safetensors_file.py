@@ -1,14 +1,25 @@
-"""A single safetensors file (or a directory holding exactly one): every key is a whole tensor."""
+"""A single safetensors file (or a directory holding exactly one): every key is a whole tensor.
+
+Read: any such file (MindSpore's `format: ms` flavour too). Written: every tensor whole under its
+own name, header first, non-tensor values in a JSON sidecar `NAME.values.json`.
+"""
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from hpckpt.converters.base import WriterOptions
 from hpckpt.converters.data_files import DataFileLocator
 from hpckpt.core import safetensors_io
 from hpckpt.core.box import full_box
 from hpckpt.core.index import CheckpointIndex, Chunk, TensorEntry
+from hpckpt.core.json_values import values_document
+from hpckpt.core.output import Extent, FileLayout, Finished, OutputLayout, Placement
+from hpckpt.core.plan import Plan, PlannedBox, PlannedTensor
 
 
 def index_safetensors_files(root: Path, files: list[str], fmt: str) -> CheckpointIndex:
@@ -55,7 +66,7 @@ def _single_file(path: Path) -> Path | None:
     return None
 
 
-class SafetensorsFileAdapter:
+class SafetensorsFileReader:
     name = "safetensors"
     description = "one safetensors file (or a directory holding exactly one)"
 
@@ -67,3 +78,57 @@ class SafetensorsFileAdapter:
         single = _single_file(path)
         assert single is not None
         return index_safetensors_files(single.parent, [single.name], self.name)
+
+
+# --- writing ------------------------------------------------------------------------------------
+
+
+def whole_tensors(plan: Plan, fmt: str) -> list[tuple[PlannedTensor, PlannedBox]]:
+    """The plan's tensors, each stored whole on rank 0: what a one-file format can hold.
+
+    Raises:
+        ValueError: the plan splits a tensor (a consolidation plan never does).
+    """
+    out = []
+    for tensor in plan.tensors:
+        if len(tensor.boxes) != 1 or tensor.boxes[0].box != full_box(tensor.shape):
+            raise ValueError(f"{fmt} stores whole tensors; {tensor.fqn} is planned in {len(tensor.boxes)} boxes")
+        out.append((tensor, tensor.boxes[0]))
+    return out
+
+
+def safetensors_file(name: str, items: list[tuple[PlannedTensor, PlannedBox]], flavour: str) -> FileLayout:
+    """One safetensors file of whole tensors under their own names, header first."""
+    head, offsets = safetensors_io.encode_header([(t.fqn, t.dtype, t.shape) for t, _ in items], {"format": flavour})
+    boxes = tuple(Placement(t, b, (Extent(at, t.box_nbytes(b)),)) for (t, b), at in zip(items, offsets))
+    return FileLayout(name, len(head) + sum(p.nbytes for p in boxes), ((0, head),), boxes)
+
+
+def flavour(options: WriterOptions) -> str:
+    """The `__metadata__` format: "pt" unless MindSpore's flavour is asked for (Hugging Face
+    loaders accept only pt/tf/flax/mlx)."""
+    return "ms" if options.framework == "mindspore" else "pt"
+
+
+def values_sidecar(values: Mapping[str, Any]) -> bytes:
+    return (json.dumps(values_document(values), indent=1) + "\n").encode()
+
+
+class SafetensorsWriter:
+    """`FormatWriter` of one safetensors file; non-tensor values go into `NAME.values.json`."""
+
+    def __init__(self, options: WriterOptions):
+        self.options = options
+        self._sidecar: tuple[tuple[str, bytes], ...] = ()
+
+    def layout(self, plan: Plan, values: Mapping[str, Any]) -> OutputLayout:
+        name = self.options.name
+        if values:
+            self._sidecar = ((name.removesuffix(".safetensors") + ".values.json", values_sidecar(values)),)
+        return OutputLayout((safetensors_file(name, whole_tensors(plan, "safetensors"), flavour(self.options)),))
+
+    def expected_files(self, plan: Plan) -> list[str]:
+        return [self.options.name]
+
+    def finish(self, crcs: Mapping[str, int]) -> Finished:
+        return Finished(metadata=self._sidecar)

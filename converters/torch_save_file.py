@@ -1,15 +1,25 @@
-"""A torch.save file (zip format, torch >= 1.6): read without torch and without running its pickle.
+"""A torch.save file (zip format, torch >= 1.6): read and written without torch, never running its pickle.
 
-Nested dicts are flattened with "." between keys, as PyTorch DCP flattens a state dict
+Read: nested dicts are flattened with "." between keys, as PyTorch DCP flattens a state dict
 (`{"model": {"w": t}, "optim": {"state": {0: {...}}}}` -> `model.w`, `optim.state.0.exp_avg`);
 lists, tuples and every other non-tensor leaf stay whole as one value.
+
+Written: one flat dict `{fqn: tensor or value}` that `torch.load(..., weights_only=True)` and
+`mmap=True` load; tensors in the plan's order, then the values (`core.torch_archive`).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from hpckpt.converters.base import WriterOptions
+from hpckpt.converters.safetensors_file import whole_tensors
+from hpckpt.core.output import Extent, FileLayout, Finished, OutputLayout, Placement
+from hpckpt.core.plan import Plan
+from hpckpt.core.torch_archive import TorchArchive, archive_name_for
 
 from hpckpt.core import torch_zip
 from hpckpt.core.box import full_box
@@ -58,7 +68,7 @@ def _first_member_name(path: Path) -> bytes:
     return head[30 : 30 + name_length]
 
 
-class TorchSaveAdapter:
+class TorchSaveReader:
     name = "torch-save"
     description = "a torch.save file (.pt, .pth, .bin; zip format)"
 
@@ -104,3 +114,32 @@ class TorchSaveAdapter:
             locator=locator,
             world_size=None,
         )
+
+
+class TorchSaveFileWriter:
+    """`FormatWriter` of a torch.save file."""
+
+    def __init__(self, options: WriterOptions):
+        self.options = options
+        self._archive: TorchArchive | None = None
+
+    def layout(self, plan: Plan, values: Mapping[str, Any]) -> OutputLayout:
+        archive = self._archive = TorchArchive(archive_name_for(self.options.name))
+        items = whole_tensors(plan, "torch-save")
+        keys = [archive.add_tensor(t.fqn, t.dtype, t.shape) for t, _ in items]
+        for value in plan.values:
+            archive.add_value(value.fqn, values[value.fqn])
+        archive.layout(0)
+        boxes = []
+        for key, (tensor, planned) in zip(keys, items):
+            at, nbytes = archive.tensor_extent(key)
+            boxes.append(Placement(tensor, planned, (Extent(at, nbytes),), key))
+        return OutputLayout((FileLayout(self.options.name, archive.size, tuple(archive.fixed), tuple(boxes)),))
+
+    def expected_files(self, plan: Plan) -> list[str]:
+        return [self.options.name]
+
+    def finish(self, crcs: Mapping[str, int]) -> Finished:
+        assert self._archive is not None, "layout() first"
+        name = self.options.name
+        return Finished(tuple((name, at, data) for at, data in self._archive.finish(crcs)))

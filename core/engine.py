@@ -1,34 +1,38 @@
-"""The copy engine: executes a `Plan` into safetensors files in bounded memory.
+"""The copy engine: fills the files of an `OutputLayout` from a source, in bounded memory.
 
-Every output file's header is computed up front from the plan, so each tensor's bytes are written
-in place. A target tensor is filled tile by tile: a tile is a block of whole rows (contiguous in
-the output) within the memory budget. When one source chunk holds a tile as one contiguous byte
-run, the kernel copies it (`copy_file_range`, no user-space buffer); otherwise the tile is
-gathered from its pieces with ranged reads into one buffer and written with one `pwrite`.
-Files are filled in parallel, one per worker thread (I/O and numpy copies release the GIL).
+This is the only place tensor bytes move and the only thread pool. Each file is created at its
+final size and its fixed bytes written; then every box is filled tile by tile (a tile is a block
+of whole rows, contiguous in the output, within the memory budget). A tile that one source
+chunk holds as one contiguous byte run is copied by the kernel (`copy_file_range`, no user-space
+buffer); any other is gathered from its pieces with ranged reads (or from memory, for in-memory
+sources) into one buffer, cast if asked, and written with one `pwrite`. CRC-32s a format needs
+are computed by reading each range back on a worker while the next box is copied. Files are
+filled in parallel, one per worker (I/O, numpy and zlib release the GIL).
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import struct
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
 from hpckpt.core.box import Box
 from hpckpt.core.cast import cast
-from hpckpt.core.index import CheckpointIndex, Location
-from hpckpt.core.plan import Plan, TargetFile, TargetTensor
+from hpckpt.core.durable import fsync_files, start_writeback
+from hpckpt.core.index import CheckpointIndex, Chunk, Location
+from hpckpt.core.output import Extent, FileLayout, Finished, OutputLayout, Placement
+from hpckpt.core.overlap import ChunkIndex, boxes_to_arrays, check_covered
 from hpckpt.core.read import OpenFiles, read_region
-from hpckpt.core.staging import fsync_files, start_writeback
+from hpckpt.core.tiles import contiguous_in, contiguous_tiles, linear
 
 DEFAULT_MAX_MEMORY = 64 * 1024 * 1024  # tiles this size already move at disk speed
+CRC_BLOCK_BYTES = 8 * 1024 * 1024
 Progress = Callable[[int], None]
 
 
@@ -36,47 +40,7 @@ def default_jobs() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def contiguous_tiles(sizes: tuple[int, ...], itemsize: int, budget: int) -> Iterator[Box]:
-    """Split a C-ordered array of `sizes` into tiles of at most `budget` bytes (at least one
-    element), each a contiguous byte run: whole trailing dims, a block along one dim, single
-    indices before it."""
-    ndim = len(sizes)
-    if ndim == 0 or math.prod(sizes) == 0:
-        if ndim == 0:
-            yield Box((), ())
-        return
-    inner, k = itemsize, ndim
-    while k > 0 and inner * sizes[k - 1] <= budget:
-        inner *= sizes[k - 1]
-        k -= 1
-    if k == 0:
-        yield Box((0,) * ndim, sizes)
-        return
-    step = max(1, budget // inner)
-    outer = sizes[: k - 1]
-    for index in np.ndindex(*outer) if outer else [()]:
-        for start in range(0, sizes[k - 1], step):
-            n = min(step, sizes[k - 1] - start)
-            yield Box(tuple(int(i) for i in index) + (start,) + (0,) * (ndim - k),
-                      (1,) * len(outer) + (n,) + tuple(sizes[k:]))
-
-
-def _linear(offsets: tuple[int, ...], shape: tuple[int, ...]) -> int:
-    position = 0
-    for o, n in zip(offsets, shape):
-        position = position * n + o
-    return position
-
-
-def _contiguous_in(region: Box, shape: tuple[int, ...]) -> bool:
-    """True when `region` (local coordinates) is one contiguous run of a C-ordered `shape`."""
-    d = region.ndim - 1
-    while d >= 0 and region.offsets[d] == 0 and region.sizes[d] == shape[d]:
-        d -= 1
-    return d < 0 or all(s == 1 for s in region.sizes[:d])
-
-
-def _copy_range(src_fd: int, dst_fd: int, count: int, src_offset: int, dst_offset: int) -> None:
+def copy_range(src_fd: int, dst_fd: int, count: int, src_offset: int, dst_offset: int) -> None:
     """Kernel-side copy; falls back to read/write where copy_file_range is not possible."""
     done = 0
     try:
@@ -96,60 +60,69 @@ def _copy_range(src_fd: int, dst_fd: int, count: int, src_offset: int, dst_offse
         done += len(chunk)
 
 
-class TileCopier:
-    """Copies target tensors out of their source pieces, one contiguous tile at a time.
+def _runs(extents: tuple[Extent, ...], start: int, nbytes: int) -> list[tuple[int, int, int]]:
+    """Bytes `[start, start + nbytes)` of a box's row-major stream as `(file offset, length,
+    offset in the range)` runs over its extents."""
+    if len(extents) == 1:
+        return [(extents[0].offset + start, nbytes, 0)]
+    out, base = [], 0
+    for extent in extents:
+        lo, hi = max(start, base), min(start + nbytes, base + extent.nbytes)
+        if lo < hi:
+            out.append((extent.offset + lo - base, hi - lo, lo - start))
+        base += extent.nbytes
+    return out
 
-    `out_fd` is the file `write` fills unless a call names another (writers that own their file,
-    torch.save and .ckpt, pass theirs per tensor); `buffers` needs none.
-    """
 
-    def __init__(self, index: CheckpointIndex, files: OpenFiles, out_fd: int, budget: int, progress: Progress,
-                 *, writeback: bool = False):
-        self.index = index
-        self.files = files
-        self.out_fd = out_fd
-        self.budget = budget
-        self.progress = progress
-        self.writeback = writeback  # start writing each range to disk as soon as it is copied
+def crc_of(fd: int, extents: tuple[Extent, ...] | list[Extent]) -> int:
+    """CRC-32 of the bytes at `extents` of `fd`, in order, read back through one buffer."""
+    total = sum(e.nbytes for e in extents)
+    view, crc = memoryview(bytearray(max(1, min(total, CRC_BLOCK_BYTES)))), 0
+    for extent in extents:
+        done = 0
+        while done < extent.nbytes:
+            n = os.preadv(fd, [view[: min(len(view), extent.nbytes - done)]], extent.offset + done)
+            if n <= 0:
+                raise OSError(f"{extent.nbytes - done} bytes missing at offset {extent.offset + done}")
+            crc = zlib.crc32(view[:n], crc)
+            done += n
+    return crc
+
+
+Pieces = list[tuple[Chunk, Box]]
+
+
+class _BoxFiller:
+    """Fills planned boxes of one output file from their source pieces, one tile at a time."""
+
+    def __init__(self, index: CheckpointIndex, files: OpenFiles, fd: int, budget: int, progress: Progress,
+                 writeback: bool):
+        self.index, self.files, self.fd = index, files, fd
+        self.budget, self.progress, self.writeback = budget, progress, writeback
         self._buffer: np.ndarray | None = None
 
-    def _written(self, fd: int, dest: int, count: int) -> None:
-        if self.writeback:
-            start_writeback(fd, dest, count)
-        self.progress(count)
-
-    def _location(self, piece, target: TargetTensor) -> Location:
-        return self.index.locate(piece.chunk, self.index.tensors[target.fqn])
-
-    def write(self, target: TargetTensor, base: int, out_fd: int | None = None) -> None:
-        """Fill the tensor at byte `base` of the output file (`out_fd`, default the copier's),
-        tile by tile."""
-        fd = self.out_fd if out_fd is None else out_fd
-        for tile, dest, parts in self._tiles(target, base):
-            if target.source_dtype is None and self._direct(parts, tile, target, fd, dest):
+    def fill(self, placement: Placement, pieces: Pieces) -> None:
+        tensor, box = placement.tensor, placement.box.box
+        entry = self.index.tensors[tensor.fqn]
+        itemsize = tensor.dtype.itemsize
+        for tile_local in contiguous_tiles(box.sizes, itemsize, self.budget):
+            tile = Box(tuple(o + t for o, t in zip(box.offsets, tile_local.offsets)), tile_local.sizes)
+            start = linear(tile_local.offsets, box.sizes) * itemsize
+            parts = [(chunk, region.intersect(tile) if tile.ndim else tile) for chunk, region in pieces]
+            parts = [(chunk, region) for chunk, region in parts if region is not None]
+            if tensor.source_dtype == tensor.dtype and self._direct(entry, parts, tile, itemsize, placement, start):
                 continue
-            data = self._gather(target, tile, parts)
-            written = 0
-            while written < len(data):
-                written += os.pwrite(fd, data[written:], dest + written)
-            self._written(fd, dest, len(data))
+            data = self._gather(entry, tile, parts, tensor.source_dtype, tensor.dtype)
+            for at, count, skip in _runs(placement.extents, start, len(data)):
+                written = 0
+                while written < count:
+                    written += os.pwrite(self.fd, data[skip + written:skip + count], at + written)
+                self._written(at, count)
 
-    def buffers(self, target: TargetTensor) -> Iterator[memoryview]:
-        """The tensor's bytes in order, one tile at a time (for writers that append); each view is
-        valid only until the next one is asked for (they share one buffer)."""
-        for tile, _dest, parts in self._tiles(target, 0):
-            data = self._gather(target, tile, parts)
-            self.progress(len(data))
-            yield data
-
-    def _tiles(self, target: TargetTensor, base: int):
-        itemsize = target.dtype.itemsize
-        sizes = target.box.sizes
-        for tile_local in contiguous_tiles(sizes, itemsize, self.budget):
-            tile = Box(tuple(o + t for o, t in zip(target.box.offsets, tile_local.offsets)), tile_local.sizes)
-            dest = base + _linear(tile_local.offsets, sizes) * itemsize
-            parts = [(p, p.region.intersect(tile) if tile.ndim else tile) for p in target.pieces]
-            yield tile, dest, [(p, r) for p, r in parts if r is not None]
+    def _written(self, at: int, count: int) -> None:
+        if self.writeback:
+            start_writeback(self.fd, at, count)
+        self.progress(count)
 
     def _scratch(self, nbytes: int) -> np.ndarray:
         """One reused tile buffer: no page faults for a fresh buffer per tile, and never two
@@ -159,88 +132,104 @@ class TileCopier:
             self._buffer = np.empty(max(nbytes, 1), dtype=np.uint8)
         return self._buffer[:nbytes]
 
-    def _gather(self, target: TargetTensor, tile: Box, parts) -> memoryview:
+    def _gather(self, entry, tile: Box, parts, source, target) -> memoryview:
         """Read every piece of `tile` into the tile buffer (casting if asked); return its bytes."""
-        source = target.source_dtype or target.dtype
         buffer = self._scratch(tile.volume * source.itemsize).view(source.np).reshape(tile.sizes)
-        for piece, region in parts:
-            loc = self._location(piece, target)
+        for chunk, region in parts:
             view = buffer[region.relative_to(tile).slices()] if region.ndim else buffer
-            read_region(self.files, loc, region.relative_to(piece.chunk.box), view)
-        if source != target.dtype:
-            buffer = np.require(cast(buffer, source, target.dtype), requirements="C")
+            read_region(self.files, self.index.locate(chunk, entry), region.relative_to(chunk.box), view)
+        if source != target:
+            buffer = np.require(cast(buffer, source, target), requirements="C")
         return memoryview(buffer.reshape(-1).view(np.uint8))
 
-    def _direct(self, parts, tile: Box, target: TargetTensor, fd: int, dest: int) -> bool:
+    def _direct(self, entry, parts, tile: Box, itemsize: int, placement: Placement, start: int) -> bool:
         """Copy a tile in the kernel when each of its pieces is one contiguous byte run both in
         its source chunk and in the tile (e.g. row shards of a whole tensor); else do nothing."""
-        itemsize = target.dtype.itemsize
         runs = []
-        for piece, region in parts:
-            loc = self._location(piece, target)
-            local = region.relative_to(piece.chunk.box)
-            in_tile = region.relative_to(tile)
-            if (loc.strides is not None or not _contiguous_in(local, piece.chunk.box.sizes)
-                    or not _contiguous_in(in_tile, tile.sizes)):
+        for chunk, region in parts:
+            loc = self.index.locate(chunk, entry)
+            local, in_tile = region.relative_to(chunk.box), region.relative_to(tile)
+            if (not isinstance(loc, Location) or loc.strides is not None
+                    or not contiguous_in(local, chunk.box.sizes) or not contiguous_in(in_tile, tile.sizes)):
                 return False
-            runs.append((loc.path, loc.offset + _linear(local.offsets, piece.chunk.box.sizes) * itemsize,
-                         dest + _linear(in_tile.offsets, tile.sizes) * itemsize, region.volume * itemsize))
-        for path, start, at, count in runs:
-            _copy_range(self.files.fd(path), fd, count, start, at)
-            self._written(fd, at, count)
+            runs.append((loc.path, loc.offset + linear(local.offsets, chunk.box.sizes) * itemsize,
+                         start + linear(in_tile.offsets, tile.sizes) * itemsize, region.volume * itemsize))
+        for path, source_at, stream_at, count in runs:
+            for at, length, skip in _runs(placement.extents, stream_at, count):
+                copy_range(self.files.fd(path), self.fd, length, source_at + skip, at)
+                self._written(at, length)
         return True
 
 
-def safetensors_header(target: TargetFile, metadata: dict[str, str] | None = None) -> tuple[bytes, list[int]]:
-    """The header bytes of a target file and each tensor's data offset (relative to the buffer)."""
-    header: dict[str, object] = {}
-    if metadata:
-        header["__metadata__"] = metadata
-    offsets, position = [], 0
-    for t in target.tensors:
-        header[t.key] = {"dtype": t.dtype.safetensors, "shape": list(t.box.sizes),
-                         "data_offsets": [position, position + t.nbytes]}
-        offsets.append(position)
-        position += t.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw, offsets
+def source_pieces(index: CheckpointIndex, placements: list[Placement]) -> dict[int, Pieces]:
+    """For each placement (by `id`), the source chunks and regions that fill it, computed tensor
+    by tensor in one vectorised pass (`core.overlap`).
 
-
-def write_target_file(path: Path, target: TargetFile, index: CheckpointIndex, *, budget: int,
-                      progress: Progress, metadata: dict[str, str] | None = None, sync: bool = True) -> None:
-    """Write one safetensors file of the plan: header first, then every tensor in place.
-
-    With `sync`, writeback starts range by range as the data is copied; the caller fsyncs the
-    file (see `execute`), which then has only the tail left to wait for.
+    Raises:
+        GeometryError: the source does not cover a box.
     """
-    head, offsets = safetensors_header(target, metadata)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    by_tensor: dict[str, list[Placement]] = {}
+    for p in placements:
+        by_tensor.setdefault(p.tensor.fqn, []).append(p)
+    out: dict[int, Pieces] = {}
+    for fqn, group in by_tensor.items():
+        entry = index.tensors[fqn]
+        ndim = len(entry.shape)
+        chunks = entry.chunks
+        finder = ChunkIndex(ndim, *boxes_to_arrays([c.box for c in chunks], ndim))
+        offsets, sizes = boxes_to_arrays([p.box.box for p in group], ndim)
+        found = finder.pieces(offsets, sizes)
+        check_covered(fqn, found, offsets, sizes)
+        per_box = found.of_box()
+        for i, p in enumerate(group):
+            out[id(p)] = [(chunks[c], region) for c, region in (per_box[i] if i < len(per_box) else [])]
+    return out
+
+
+def _fill_file(path: Path, layout: FileLayout, index: CheckpointIndex, pieces: dict[int, Pieces], budget: int,
+               progress: Progress, sync: bool, pool: ThreadPoolExecutor, crcs: list[tuple[str, Future]]) -> None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        os.ftruncate(fd, len(head) + target.nbytes)
-        os.pwrite(fd, head, 0)
+        os.ftruncate(fd, layout.size)
+        for offset, data in layout.fixed:
+            os.pwrite(fd, data, offset)
         with OpenFiles() as files:
-            writer = TileCopier(index, files, fd, budget, progress, writeback=sync)
-            for t, offset in zip(target.tensors, offsets):
-                writer.write(t, len(head) + offset)
+            filler = _BoxFiller(index, files, fd, budget, progress, writeback=sync)
+            for placement in layout.boxes:
+                filler.fill(placement, pieces[id(placement)])
+                if placement.checksum is not None:
+                    crcs.append((placement.checksum, pool.submit(_crc_at, path, placement.extents)))
+        for name, offset, nbytes in layout.checksums:
+            crcs.append((name, pool.submit(_crc_at, path, (Extent(offset, nbytes),))))
         if sync:
-            start_writeback(fd)  # the header and anything left
+            start_writeback(fd)  # the fixed bytes and anything left
     finally:
         os.close(fd)
 
 
-def write_values(path: Path, values: list[tuple[str, bytes]]) -> None:
-    """The non-tensor values, concatenated in plan order (their offsets are in the metadata)."""
-    with open(path, "wb") as f:
-        for _fqn, payload in values:
-            f.write(payload)
+def _crc_at(path: Path, extents: tuple[Extent, ...]) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return crc_of(fd, extents)
+    finally:
+        os.close(fd)
 
 
-def execute(plan: Plan, index: CheckpointIndex, out_dir: Path, *, jobs: int | None = None,
+@dataclass(frozen=True)
+class Executed:
+    """The CRC-32s a layout asked for, by id, and the tensor bytes read from the source."""
+
+    crcs: dict[str, int]
+    bytes_read: int
+
+
+def execute(layout: OutputLayout, index: CheckpointIndex, out_dir: Path, *, jobs: int | None = None,
             max_memory: int = DEFAULT_MAX_MEMORY, progress: Progress | None = None,
-            file_metadata: dict[str, str] | None = None, sync: bool = True) -> None:
-    """Write every tensor file and the values file of `plan` into `out_dir` (metadata excluded);
-    with `sync`, all of them are on disk when this returns."""
+            sync: bool = True) -> Executed:
+    """Create and fill every data file of `layout` in `out_dir`.
+
+    The files are not yet durable: `finish` writes the writer's patches and fsyncs them.
+    """
     jobs = max(1, jobs or default_jobs())
     lock = threading.Lock()
 
@@ -249,15 +238,26 @@ def execute(plan: Plan, index: CheckpointIndex, out_dir: Path, *, jobs: int | No
             with lock:
                 progress(n)
 
+    placements = [p for f in layout.files for p in f.boxes]
+    pieces = source_pieces(index, placements)
+    bytes_read = sum(region.volume * p.tensor.source_dtype.itemsize for p in placements for _, region in pieces[id(p)])
     budget = max(1, max_memory // jobs)
-    written = [out_dir / f.name for f in plan.files]
-    if plan.values and plan.values_rank in plan.producing:
-        write_values(out_dir / f"_rank{plan.values_rank}_.bytes", plan.values)
-        written.append(out_dir / f"_rank{plan.values_rank}_.bytes")
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(write_target_file, out_dir / f.name, f, index, budget=budget,
-                               progress=report, metadata=file_metadata, sync=sync) for f in plan.files]
-        for future in futures:
+    crcs: list[tuple[str, Future]] = []
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="hpckpt-engine") as pool:
+        fills = [pool.submit(_fill_file, out_dir / f.name, f, index, pieces, budget, report, sync, pool, crcs)
+                 for f in layout.files]
+        for future in fills:
             future.result()
+        return Executed({name: future.result() for name, future in crcs}, bytes_read)
+
+
+def finish(layout: OutputLayout, finished: Finished, out_dir: Path, *, sync: bool = True) -> None:
+    """Write the writer's patches over the data files, then make the data files durable."""
+    for name, offset, data in finished.patches:
+        fd = os.open(out_dir / name, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, offset)
+        finally:
+            os.close(fd)
     if sync:
-        fsync_files(written)
+        fsync_files(out_dir / f.name for f in layout.files)

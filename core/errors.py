@@ -104,7 +104,48 @@ class DestinationExistsError(HpckptError):
     kind = "destination-exists"
 
 
-#: Every error class, for the documentation table and the CLI.
+class RulesFileError(HpckptError, ValueError):
+    """Report a wrong rules file (TOML layout or name rules) as a usage error (exit 2).
+
+    A rules file is part of the command line, so a bad one is a bad option value. Being a
+    ValueError too, it takes the CLI's `except ValueError -> typer.BadParameter` path wherever a
+    command parses its options that way. A rules file that does not exist raises
+    `PathNotFoundError` (exit 3) instead.
+    """
+
+    exit_code = 2
+    kind = "rules-file"
+
+
+class LayoutRuleError(RulesFileError):
+    """Report a wrong layout rules file (`--layout-rules`): bad TOML, unknown keys, bad rules."""
+
+    kind = "layout-rules"
+
+
+class NameRuleError(RulesFileError):
+    """Report a wrong name-rules file or option (`--name-rules`, `--names`): a usage error (exit 2)."""
+
+    kind = "name-rules"
+
+
+class NameCollisionError(NameRuleError):
+    """Two source tensors would be written under one destination name."""
+
+    kind = "name-collision"
+
+    def __init__(self, destination: str, sources: tuple[str, str], rules: tuple[str, str]):
+        super().__init__(
+            f"{sources[0]!r} ({rules[0]}) and {sources[1]!r} ({rules[1]}) both map to {destination!r}",
+            hint="add a rule that renames one of them (first matching rule wins), or --exclude one",
+        )
+        self.destination = destination
+        self.sources = sources
+
+
+#: Every error class with an exit code of its own (3 and up), for the documentation table (the
+#: README's exit codes, one row per kind) and `verify`'s findings. The rules-file errors are left
+#: out: they are usage errors, documented there as exit 2 "usage".
 ERROR_CLASSES: tuple[type[HpckptError], ...] = (
     PathNotFoundError,
     NotACheckpointError,

@@ -5,6 +5,10 @@ tensors with their global shape and stored chunks (boxes plus the file and key h
 non-tensor values with the byte range holding them. Where the bytes of a chunk start inside its
 file is resolved lazily through the adapter's `Locator`, so listing a checkpoint never opens its
 data files.
+
+An index is also what the engine copies from, and a source has two kinds of chunks: bytes in a
+file (`Location`) and arrays in memory (`BufferLocation`, see `core.memory_source`), so the same
+writers serve an offline conversion and a running job's save.
 """
 
 from __future__ import annotations
@@ -31,6 +35,23 @@ class Location:
     stored_dtype: DType
     stored_shape: tuple[int, ...]
     strides: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BufferLocation:
+    """A stored chunk held in memory: `array` has the chunk's shape and the numpy storage dtype
+    of `stored_dtype` (raw bits for bfloat16/float8); any strides."""
+
+    array: Any
+    stored_dtype: DType
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
 
 
 @dataclass(slots=True)
@@ -117,7 +138,7 @@ def parse_range_key(key: str, fqn: str, error: type[Exception]) -> tuple[int, in
 class Locator(Protocol):
     """What an adapter provides to reach the bytes behind an index."""
 
-    def locate(self, chunk: Chunk, entry: TensorEntry) -> Location:
+    def locate(self, chunk: Chunk, entry: TensorEntry) -> Location | BufferLocation:
         """Return where `chunk` lives. Raises MissingFileError/CorruptDataError/EntryMismatchError."""
 
     def decode_value(self, entry: ValueEntry) -> Any:
@@ -144,7 +165,7 @@ class CheckpointIndex:
     planner_data: dict | None = None
     notes: list[str] = field(default_factory=list)
 
-    def locate(self, chunk: Chunk, entry: TensorEntry) -> Location:
+    def locate(self, chunk: Chunk, entry: TensorEntry) -> Location | BufferLocation:
         return self.locator.locate(chunk, entry)
 
     def decode_value(self, fqn: str) -> Any:

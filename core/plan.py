@@ -1,301 +1,204 @@
-"""Planning a reshard: which stored regions feed which target boxes, and where each box is written.
+"""The plan: which box of which tensor each target rank stores, in a form no format owns.
 
-A plan is plain data (frozen dataclasses of ints and strings): printable, comparable and the same
-on every machine for the same inputs, which is what lets `reshard --rank` fan one job out over many
-machines and still produce byte-identical output.
+A plan is frozen plain data (boxes, ranks, dtypes, names), the same on every machine for the same
+inputs: that is what lets `reshard --rank` fan one job out over many machines and still produce
+byte-identical output, and what lets every writer (HyperParallel, PyTorch DCP, safetensors, ...)
+lay out the same plan in its own files. It holds no file name, no metadata class, no pickle.
 
-Steps: (1) the target layout gives every target rank its boxes; (2) identical boxes on several
-ranks (replicas) are stored once, each in the file of the least-loaded holder, as HyperParallel's
-own de-dup does; (3) each stored box is intersected with the source chunks through a sorted
-interval index (O(log C + k) per box instead of PyTorch DCP's all-pairs scan); (4) the output
-metadata lists chunks rank-major with `MetadataIndex.index` = position, in HyperParallel's format.
+Planning a tensor: its target layout is validated once; every rank's boxes come at once from
+`core.rank_boxes`; a box held by one rank is stored by it, a replicated box (several holders)
+by the least-loaded holder, largest boxes first, as HyperParallel's own de-dup does; each
+tensor's boxes are then listed rank-major (the order HyperParallel's metadata uses, `index` =
+position). The cost grows with tensors + target boxes, not with tensors x ranks.
 """
 
 from __future__ import annotations
 
-import bisect
-import pickle
-from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol
+from functools import cached_property
+from typing import Protocol
 
-from hpckpt.core.box import Box
+import numpy as np
+
+from hpckpt.core.box import Box, one_per_start
+from hpckpt.core.cast import CASTABLE
 from hpckpt.core.dtypes import DType
-from hpckpt.core.errors import GeometryError
-from hpckpt.core.index import CheckpointIndex, Chunk, TensorEntry
-from hpckpt.core.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageInfo,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from hpckpt.core.index import CheckpointIndex, TensorEntry
+from hpckpt.core.rank_boxes import RankBoxes, rank_boxes
 
 
-class TargetLayout(Protocol):
-    """What the planner needs of a layout: the boxes a target rank holds of a tensor."""
+class TargetLayouts(Protocol):
+    """What the planner needs of a target: each tensor's layout (`core.layout.LayoutSpec`)."""
 
-    def boxes(self, shape: tuple[int, ...], rank: int) -> list[Box]: ...
+    def resolve(self, fqn: str, shape: tuple[int, ...]): ...
 
 
 @dataclass(frozen=True, slots=True)
-class Piece:
-    """The part `region` (global coordinates) of a target box that source chunk `chunk` holds."""
+class PlannedBox:
+    """One stored box: its region (global coordinates), the rank that stores it and its position
+    in the tensor's chunk list."""
 
-    chunk: Chunk
-    region: Box
+    box: Box
+    rank: int
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedValue:
+    """A non-tensor value carried over, stored by `rank`."""
+
+    fqn: str
+    rank: int = 0
 
 
 @dataclass(frozen=True)
-class TargetTensor:
-    """One box of one tensor stored under `key` in a target file, and the pieces that fill it.
-
-    `dtype` is the stored dtype; `source_dtype`, when set and different, asks the engine to cast.
-    """
+class PlannedTensor:
+    """A tensor of the target: dtype as written (`source_dtype` when read: the engine casts where
+    they differ) and its stored boxes, rank-major."""
 
     fqn: str
-    key: str
+    shape: tuple[int, ...]
     dtype: DType
-    box: Box
-    pieces: tuple[Piece, ...]
-    source_dtype: DType | None = None
+    source_dtype: DType
+    boxes: tuple[PlannedBox, ...]
 
-    @property
-    def nbytes(self) -> int:
-        return self.box.volume * self.dtype.itemsize
+    def box_nbytes(self, planned: PlannedBox) -> int:
+        return planned.box.volume * self.dtype.itemsize
 
 
-@dataclass
-class TargetFile:
-    rank: int
-    name: str
-    tensors: list[TargetTensor] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
-
-
-@dataclass
-class RankStats:
-    rank: int
-    bytes_written: int
-    bytes_read: int
-    source_files: int
-
-
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    world_size: int
-    files: list[TargetFile]  # tensor files of the ranks being produced, rank order
-    values: list[tuple[str, bytes]]  # (fqn, pickled payload) for `_rank{values_rank}_.bytes`
-    values_rank: int
-    metadata: Metadata  # for the whole target checkpoint (all ranks), written last
-    producing: tuple[int, ...]  # the target ranks whose files this plan writes
+    """Every tensor box and value of a target checkpoint of `world_size` ranks.
 
-    def stats(self) -> list[RankStats]:
-        out = []
-        for f in self.files:
-            sources = {(p.chunk.file) for t in f.tensors for p in t.pieces}
-            read = sum(p.region.volume * t.dtype.itemsize for t in f.tensors for p in t.pieces)
-            out.append(RankStats(f.rank, f.nbytes, read, len(sources)))
-        return out
-
-
-class ChunkFinder:
-    """Sorted-interval index over a tensor's stored chunks.
-
-    Chunks are sorted by their start along the dimension with the most distinct starts; a box can
-    only meet chunks whose start lies in `(box.start - longest_chunk, box.end)`, found by bisection.
-    Identical replicas (rank-local metadata without de-dup) are indexed once.
+    `producing` are the ranks whose files this run writes (all of them, unless fanned out); the
+    plan always describes every rank, since the metadata does. `nesting` maps a flat name to its
+    key path in the nested state dict, where the source knew it.
     """
 
-    def __init__(self, chunks: Iterable[Chunk]):
-        unique: dict[Box, Chunk] = {}
-        for chunk in chunks:
-            if not chunk.box.is_empty:
-                unique.setdefault(chunk.box, chunk)
-        self._chunks = list(unique.values())
-        ndim = self._chunks[0].box.ndim if self._chunks else 0
-        if ndim == 0:
-            self._dim = None
-            return
-        self._dim = max(range(ndim), key=lambda d: len({c.box.offsets[d] for c in self._chunks}))
-        self._chunks.sort(key=lambda c: c.box.offsets[self._dim])
-        self._starts = [c.box.offsets[self._dim] for c in self._chunks]
-        self._longest = max(c.box.sizes[self._dim] for c in self._chunks)
+    world_size: int
+    tensors: tuple[PlannedTensor, ...]
+    values: tuple[PlannedValue, ...]
+    producing: tuple[int, ...]
+    nesting: Mapping[str, tuple] = field(default_factory=dict)
 
-    def overlapping(self, box: Box) -> list[Piece]:
-        if self._dim is None:  # 0-d tensors: the single stored value covers the box
-            return [Piece(c, box) for c in self._chunks[:1]]
-        d = self._dim
-        lo = bisect.bisect_right(self._starts, box.offsets[d] - self._longest)
-        hi = bisect.bisect_left(self._starts, box.offsets[d] + box.sizes[d])
-        pieces = []
-        for chunk in self._chunks[lo:hi]:
-            region = chunk.box.intersect(box)
-            if region is not None:
-                pieces.append(Piece(chunk, region))
-        return pieces
+    @cached_property
+    def by_rank(self) -> dict[int, list[tuple[PlannedTensor, PlannedBox]]]:
+        """Each rank's stored boxes in the order its file lists them: tensor order, then offsets."""
+        out: dict[int, list[tuple[PlannedTensor, PlannedBox]]] = {}
+        for tensor in self.tensors:
+            for planned in tensor.boxes:
+                out.setdefault(planned.rank, []).append((tensor, planned))
+        return {rank: out[rank] for rank in sorted(out)}
+
+    def values_of(self, rank: int) -> list[PlannedValue]:
+        return [v for v in self.values if v.rank == rank]
+
+    def nbytes(self, rank: int | None = None) -> int:
+        """Bytes of tensor data stored by `rank` (all ranks when None)."""
+        items = self.by_rank.get(rank, []) if rank is not None else [
+            (t, b) for t in self.tensors for b in t.boxes]
+        return sum(t.box_nbytes(b) for t, b in items)
 
 
-def _physical_keys(items: list[tuple[str, Box]]) -> list[str]:
-    """HyperParallel's key rule: the fqn when a file holds one chunk of it, else
-    `fqn.__dcp_chunk_{i}`, with `_` appended until the key is unique in the file."""
-    counts: dict[str, int] = defaultdict(int)
-    for fqn, _ in items:
-        counts[fqn] += 1
-    used = {fqn for fqn, _ in items if counts[fqn] == 1}
-    seen: dict[str, int] = defaultdict(int)
-    keys = []
-    for fqn, _ in items:
-        if counts[fqn] == 1:
-            keys.append(fqn)
-            continue
-        key = f"{fqn}.__dcp_chunk_{seen[fqn]}"
-        seen[fqn] += 1
-        while key in used:
-            key += "_"
-        used.add(key)
-        keys.append(key)
-    return keys
+def out_dtype(source: DType, cast_to: DType | None) -> DType:
+    """The dtype a tensor is written in: `cast_to` for floating tensors, else its own."""
+    return cast_to if cast_to is not None and source.name in CASTABLE else source
 
 
-def _assign_owners(tensors: list[TensorEntry], layout_of: Callable[[TensorEntry], TargetLayout],
-                   world_size: int) -> dict[int, list[tuple[TensorEntry, Box]]]:
-    """Give every distinct target box one owning rank, balancing bytes as HyperParallel does:
-    boxes held by one rank go to it; replicated boxes, largest first, to the least-loaded holder."""
-    owned: dict[int, list[tuple[TensorEntry, Box]]] = defaultdict(list)
-    load = [0] * world_size
-    shared: list[tuple[int, int, TensorEntry, Box, list[int]]] = []
-    order = 0
-    for entry in tensors:
-        layout = layout_of(entry)
-        holders: dict[Box, list[int]] = {}
-        for rank in range(world_size):
-            for box in layout.boxes(entry.shape, rank):
-                if not box.inside(entry.shape):
-                    raise GeometryError(f"{entry.fqn}: target box {box} of rank {rank} lies outside {list(entry.shape)}")
-                holders.setdefault(box, []).append(rank)
-        # An empty box that starts where a non-empty one does holds nothing, and would share the
-        # non-empty one's metadata key (fqn + offsets): leave it out.
-        starts = {box.offsets for box in holders if not box.is_empty}
-        for box, ranks in holders.items():
-            if box.is_empty and box.offsets in starts:
-                continue
-            if len(ranks) == 1:
-                owned[ranks[0]].append((entry, box))
-                load[ranks[0]] += box.volume * entry.dtype.itemsize
+def _owners(boxes: list[RankBoxes], itemsizes: list[int], world_size: int) -> list[np.ndarray]:
+    """The storing rank of every box: its holder when it has one, else the least-loaded holder,
+    largest boxes first (ties: tensor order, then first appearance), lowest rank on equal load."""
+    load = np.zeros(world_size, np.int64)
+    owners: list[np.ndarray] = []
+    shared: list[tuple[int, int, int, np.ndarray]] = []
+    for t, (grid, itemsize) in enumerate(zip(boxes, itemsizes)):
+        nbytes = (np.prod(grid.sizes, axis=1) if grid.sizes.shape[1] else np.ones(len(grid), np.int64)) * itemsize
+        owner = np.full(len(grid), -1, np.int64)
+        for i, holders in enumerate(grid.holders):
+            if len(holders) == 1:
+                owner[i] = holders[0]
             else:
-                shared.append((-(box.volume * entry.dtype.itemsize), order, entry, box, ranks))
-            order += 1
-    for neg_bytes, _, entry, box, ranks in sorted(shared, key=lambda s: (s[0], s[1])):
-        owner = min(ranks, key=lambda r: (load[r], r))
-        owned[owner].append((entry, box))
-        load[owner] -= neg_bytes
-    return owned
+                shared.append((-int(nbytes[i]), t, i, holders))
+        single = owner >= 0
+        np.add.at(load, owner[single], nbytes[single])
+        owners.append(owner)
+    shared.sort(key=lambda s: (s[0], s[1], s[2]))
+    for neg_bytes, t, i, holders in shared:
+        if len(holders) <= 16:
+            best = min(holders.tolist(), key=lambda r: (load[r], r))
+        else:
+            best = int(holders[np.argmin(load[holders])])
+        owners[t][i] = best
+        load[best] -= neg_bytes
+    return owners
 
 
-def make_plan(index: CheckpointIndex, layout_of: Callable[[TensorEntry], TargetLayout], world_size: int,
-              *, names: Iterable[str] | None = None, ranks: Iterable[int] | None = None,
-              dtype_spelling: Callable[[DType], str] = lambda d: d.torch,
-              cast_to: DType | None = None, casts: dict[str, DType] | None = None) -> Plan:
-    """Plan resharding `index` onto `world_size` target ranks laid out by `layout_of`.
+def _listed_rank_major(grid: RankBoxes, owner: np.ndarray) -> tuple[PlannedBox, ...]:
+    ndim = grid.offsets.shape[1]
+    order = np.lexsort(tuple(grid.offsets[:, d] for d in reversed(range(ndim))) + (owner,))
+    offsets, sizes, ranks = grid.offsets[order].tolist(), grid.sizes[order].tolist(), owner[order].tolist()
+    return tuple(PlannedBox(Box(tuple(o), tuple(s)), r, i) for i, (o, s, r) in enumerate(zip(offsets, sizes, ranks)))
 
-    `names` restricts the tensors and values carried over (default: all); `ranks` restricts the
-    files planned for copying (fan-out), while the metadata always describes every rank.
-    `cast_to` casts floating tensors, `casts` (fqn -> dtype) single ones, over `cast_to`;
-    `dtype_spelling` writes dtypes as torch or MindSpore does.
+
+def make_plan(index: CheckpointIndex, layouts: TargetLayouts, world_size: int, *,
+              names: Iterable[str] | None = None, ranks: Iterable[int] | None = None,
+              cast_to: DType | None = None, casts: Mapping[str, DType] | None = None) -> Plan:
+    """Plan `index` onto `world_size` target ranks laid out by `layouts`.
+
+    `names` restricts the tensors and values carried over (default: all, in the index's order);
+    `ranks` restricts the ranks this run writes (fan-out). `cast_to` casts floating tensors,
+    `casts` (fqn -> dtype) single ones, over `cast_to`.
 
     Raises:
-        GeometryError: a target box lies outside its tensor, or the source does not cover it.
+        GeometryError: a target layout does not fit its tensor.
     """
-    wanted = set(index.tensors) | set(index.values) if names is None else set(names)
-    tensors = [e for fqn, e in index.tensors.items() if fqn in wanted]
-    owned = _assign_owners(tensors, layout_of, world_size)
-    finders: dict[str, ChunkFinder] = {}
-    producing = set(range(world_size)) if ranks is None else set(ranks)
-    files: list[TargetFile] = []
-    state: dict = {}
-    storage: dict[MetadataIndex, StorageInfo] = {}
-    chunk_lists: dict[str, list[ChunkStorageMetadata]] = {e.fqn: [] for e in tensors}
-    order = {e.fqn: i for i, e in enumerate(tensors)}
-    for rank in range(world_size):
-        items = sorted(owned.get(rank, []), key=lambda item: (order[item[0].fqn], item[1].offsets))
-        if not items:
-            continue
-        name = f"_rank{rank}_.safetensors"
-        keys = _physical_keys([(entry.fqn, box) for entry, box in items])
-        target = TargetFile(rank, name)
-        for (entry, box), key in zip(items, keys):
-            position = len(chunk_lists[entry.fqn])
-            chunk_lists[entry.fqn].append(ChunkStorageMetadata(box.offsets, box.sizes))
-            storage[MetadataIndex(entry.fqn, box.offsets, position)] = StorageInfo(name, 0, -1, key)
-            if rank in producing:
-                out = _out_dtype(entry.dtype, casts.get(entry.fqn, cast_to) if casts else cast_to)
-                target.tensors.append(TargetTensor(entry.fqn, key, out, box, _pieces(entry, box, finders),
-                                                   source_dtype=entry.dtype if out != entry.dtype else None))
-        if rank in producing:
-            files.append(target)
-    for entry in tensors:
-        state[entry.fqn] = TensorStorageMetadata(
-            TensorProperties(dtype_spelling(_out_dtype(entry.dtype, casts.get(entry.fqn, cast_to) if casts else cast_to))),
-            tuple(entry.shape), chunk_lists[entry.fqn])
-    # Values are decoded (safely) and pickled again with protocol 4, as HyperParallel writes them:
-    # the same bytes whatever the source format, and PyTorch DCP's torch.save records become pickles.
-    values = [(fqn, pickle.dumps(index.decode_value(fqn), protocol=4)) for fqn in index.values if fqn in wanted]
-    values_rank = 0
-    position = 0
-    for fqn, payload in values:
-        state[fqn] = BytesStorageMetadata()
-        storage[MetadataIndex(fqn)] = StorageInfo(f"_rank{values_rank}_.bytes", position, len(payload))
-        position += len(payload)
-    planner_data = {fqn: path for fqn, path in (index.planner_data or {}).items() if fqn in state} or None
-    metadata = Metadata(state, planner_data=planner_data, storage_data=storage)
-    return Plan(world_size, files, values, values_rank, metadata, tuple(sorted(producing)))
+    wanted = None if names is None else set(names)
+    entries: list[TensorEntry] = [e for fqn, e in index.tensors.items() if wanted is None or fqn in wanted]
+    grids = [rank_boxes(layouts.resolve(e.fqn, e.shape), e.shape) for e in entries]
+    owners = _owners(grids, [e.dtype.itemsize for e in entries], world_size)
+    casts = casts or {}
+    tensors = tuple(
+        PlannedTensor(e.fqn, tuple(e.shape), out_dtype(e.dtype, casts.get(e.fqn, cast_to)), e.dtype,
+                      _listed_rank_major(grid, owner))
+        for e, grid, owner in zip(entries, grids, owners))
+    values = tuple(PlannedValue(fqn) for fqn in index.values if wanted is None or fqn in wanted)
+    kept = {t.fqn for t in tensors} | {v.fqn for v in values}
+    nesting = {fqn: path for fqn, path in (index.planner_data or {}).items() if fqn in kept}
+    producing = tuple(range(world_size)) if ranks is None else tuple(sorted(set(ranks)))
+    return Plan(world_size, tensors, values, producing, nesting)
 
 
-def _out_dtype(dtype: DType, cast_to: DType | None) -> DType:
-    from hpckpt.core.cast import CASTABLE
+class _Whole:
+    """Every tensor whole on one rank: what consolidation writes."""
 
-    return cast_to if cast_to is not None and dtype.name in CASTABLE else dtype
+    def resolve(self, fqn: str, shape: tuple[int, ...]):
+        from hpckpt.core.layout import Mesh, Replicate, TensorLayout
 
-
-def _pieces(entry: TensorEntry, box: Box, finders: dict[str, ChunkFinder]) -> tuple[Piece, ...]:
-    finder = finders.get(entry.fqn) or finders.setdefault(entry.fqn, ChunkFinder(entry.chunks))
-    pieces = tuple(finder.overlapping(box))
-    covered = sum(p.region.volume for p in pieces)
-    if covered != box.volume:
-        raise GeometryError(f"{entry.fqn}: the source covers {covered} of the {box.volume} elements of {box}")
-    return pieces
+        return TensorLayout(Mesh((1,)), (Replicate(),))
 
 
-def plan_whole_tensors(index: CheckpointIndex, names: list[str], *, max_file_bytes: int | None = None,
-                       file_names: Callable[[int, int], str] = lambda i, n: "model.safetensors",
-                       cast_to: DType | None = None, casts: dict[str, DType] | None = None) -> list[TargetFile]:
-    """Plan consolidated files: every tensor whole under its own name, in `names` order.
+def whole_tensor_plan(index: CheckpointIndex, *, names: Iterable[str] | None = None,
+                      cast_to: DType | None = None, casts: Mapping[str, DType] | None = None) -> Plan:
+    """One rank holding every selected tensor whole, in the index's order."""
+    return make_plan(index, _Whole(), 1, names=names, cast_to=cast_to, casts=casts)
 
-    With `max_file_bytes`, tensors are packed greedily into files of at most that size (a tensor
-    larger than the cap gets a file of its own), as Hugging Face's sharding does; `file_names(i, n)`
-    names file i of n. `cast_to` casts floating tensors (others keep their dtype); `casts`
-    (fqn -> dtype) casts single ones, over `cast_to`.
+
+
+def plan_as_given(tensors: Mapping[str, tuple[DType, tuple[int, ...], list[tuple[int, Box]]]], world_size: int, *,
+                  values: Iterable[PlannedValue] = (), nesting: Mapping[str, tuple] | None = None,
+                  producing: Iterable[int] | None = None) -> Plan:
+    """A plan whose boxes are placed by the caller: `tensors[fqn] = (dtype, shape, [(rank, box)])`,
+    as a running job holds them (each rank's own shards) or a test lays them out.
+
+    Each rank's boxes keep the order given; of the boxes of a tensor that start at the same
+    offsets, one is kept (`core.box.one_per_start`: they would share a metadata key).
     """
-    from hpckpt.core.box import full_box
-
-    finders: dict[str, ChunkFinder] = {}
-    groups: list[list[TargetTensor]] = [[]]
-    size = 0
-    for fqn in names:
-        entry = index.tensors[fqn]
-        dtype = _out_dtype(entry.dtype, casts.get(fqn, cast_to) if casts else cast_to)
-        box = full_box(entry.shape)
-        tensor = TargetTensor(fqn, fqn, dtype, box, _pieces(entry, box, finders),
-                              source_dtype=entry.dtype if dtype != entry.dtype else None)
-        if max_file_bytes is not None and groups[-1] and size + tensor.nbytes > max_file_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(tensor)
-        size += tensor.nbytes
-    return [TargetFile(0, file_names(i, len(groups)), group) for i, group in enumerate(groups)]
+    planned = []
+    for fqn, (dtype, shape, placed) in tensors.items():
+        kept = [placed[i] for i in one_per_start([box for _rank, box in placed])]
+        by_rank = sorted(range(len(kept)), key=lambda i: kept[i][0])  # stable: the given order within a rank
+        boxes = tuple(PlannedBox(kept[i][1], kept[i][0], n) for n, i in enumerate(by_rank))
+        planned.append(PlannedTensor(fqn, tuple(shape), dtype, dtype, boxes))
+    ranks = tuple(range(world_size)) if producing is None else tuple(sorted(set(producing)))
+    return Plan(world_size, tuple(planned), tuple(values), ranks, dict(nesting or {}))

@@ -16,7 +16,7 @@ import numpy as np
 
 from hpckpt.core.box import Box, full_box
 from hpckpt.core.errors import CorruptDataError, GeometryError, MissingFileError
-from hpckpt.core.index import CheckpointIndex, Location, TensorEntry
+from hpckpt.core.index import BufferLocation, CheckpointIndex, Location, TensorEntry
 
 DEFAULT_READ_BUDGET = 64 * 1024 * 1024
 
@@ -77,10 +77,13 @@ def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def read_region(files: OpenFiles, loc: Location, region: Box, out: np.ndarray,
+def read_region(files: OpenFiles, loc: Location | BufferLocation, region: Box, out: np.ndarray,
                 budget: int = DEFAULT_READ_BUDGET) -> None:
     """Copy `region` (in the chunk's local coordinates) of the chunk at `loc` into `out`."""
     if region.is_empty:
+        return
+    if isinstance(loc, BufferLocation):
+        out[...] = loc.array[region.slices()] if region.ndim else loc.array
         return
     strides = loc.strides if loc.strides is not None else _c_strides(loc.stored_shape)
     itemsize = loc.stored_dtype.itemsize

@@ -164,28 +164,40 @@ def looks_like_safetensors(head: bytes, size: int) -> bool:
     return head[8:9] == b"{" and 8 + n <= size
 
 
+def encode_header(entries: "list[tuple[str, DType, tuple[int, ...]]]",
+                  metadata: dict[str, str] | None = None) -> tuple[bytes, list[int]]:
+    """The 8-byte length and JSON header of a file holding `entries` `(key, dtype, shape)` in that
+    order, and each entry's data offset in the file. The header is padded with spaces to a
+    multiple of 8 bytes, so the data is 8-byte aligned, as the safetensors library does."""
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offsets, position = [], 0
+    for key, dtype, shape in entries:
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[key] = {"dtype": dtype.safetensors, "shape": list(shape), "data_offsets": [position, position + nbytes]}
+        offsets.append(position)
+        position += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    start = 8 + len(raw)
+    return struct.pack("<Q", len(raw)) + raw, [start + o for o in offsets]
+
+
 def write_file(path: Path, tensors: "list[tuple[str, DType, tuple[int, ...], bytes | memoryview]]",
                metadata: dict[str, str] | None = None) -> None:
     """Write a small safetensors file from raw little-endian bytes, in the order given.
 
-    For metadata-sized writes (examples, tests, generated benchmarks); the copy engine streams
-    large files instead. Taking raw bytes avoids the safetensors library's numpy path, which
-    writes non-contiguous arrays wrongly (0.8.0) and cannot express bfloat16.
+    For test-sized writes; the engine streams real outputs. Taking raw bytes avoids the
+    safetensors library's numpy path, which writes non-contiguous arrays wrongly (0.8.0) and
+    cannot express bfloat16.
     """
-    header: dict[str, object] = {}
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    position = 0
     for key, dtype, shape, data in tensors:
         nbytes = math.prod(shape) * dtype.itemsize
         if len(memoryview(data).cast("B")) != nbytes:
             raise ValueError(f"{key}: {len(memoryview(data).cast('B'))} bytes for {dtype}{list(shape)} ({nbytes} needed)")
-        header[key] = {"dtype": dtype.safetensors, "shape": list(shape), "data_offsets": [position, position + nbytes]}
-        position += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)  # keep the data buffer 8-byte aligned, as the library does
+    head, _offsets = encode_header([(key, dtype, shape) for key, dtype, shape, _data in tensors], metadata)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
+        f.write(head)
         for _key, _dtype, _shape, data in tensors:
             f.write(memoryview(data).cast("B"))

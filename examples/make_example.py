@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpckpt.converters.hyperparallel_write import ChunkData, write_checkpoint
+from hpckpt.converters.hyperparallel.from_memory import ChunkData, write_checkpoint
 from hpckpt.core.box import Box
 from hpckpt.core.dtypes import dtype
 

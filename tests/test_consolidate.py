@@ -109,7 +109,7 @@ def test_zero_d_empty_shard_and_bf16_are_exact(tmp_path):
     lm_head = index.tensors["model.lm_head.weight"]
     assert any(c.box.is_empty for c in lm_head.chunks)  # the premise: an empty stored chunk
     out = tmp_path / "m.safetensors"
-    api.consolidate(fixture, out, include=["model.lm_head.weight", "*.step", "model.layers.0.mlp.down_proj.weight"])
+    api.consolidate(fixture, out, select=api.Selection.of(["model.lm_head.weight", "*.step", "model.layers.0.mlp.down_proj.weight"]))
     got = load_file(str(out))
     want = expected_torch(fixture)
     assert set(got) == {"model.lm_head.weight", "optimizer.state.0.step", "optimizer.state.1.step",
@@ -248,7 +248,7 @@ def test_include_exclude(include, exclude, tmp_path):
 def test_include_filters_pt_values_too(tmp_path):
     fixture = FIXTURES / "m0-torch-4rank"
     out = tmp_path / "x.pt"
-    api.consolidate(fixture, out, "pt", include=["extra_state.*"])
+    api.consolidate(fixture, out, "pt", select=api.Selection.of(["extra_state.*"]))
     loaded = torch.load(out, weights_only=True)
     expected = {k: v for k, v in expected_values(fixture).items() if k.startswith("extra_state.")}
     assert_python_values(loaded, expected)
@@ -296,7 +296,7 @@ def test_cast_rounding_matches_torch(tmp_path):
         with warnings.catch_warnings():
             # numpy's overflow RuntimeWarning is the subject of the next test, not of this one
             warnings.simplefilter("ignore", RuntimeWarning)
-            api.consolidate(src, out, dtype=dtype, max_memory=4096)
+            api.consolidate(src, out, dtype=dtype, settings=api.WriteSettings(max_memory=4096))
         got = load_file(str(out))
         for fqn, tensor in source.items():
             reference = tensor.to(torch_dtype) if tensor.is_floating_point() else tensor

@@ -21,7 +21,7 @@ def run(*args) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("extra, says", [
-    (["--to", "bogus"], "choose one of pt, ms, safetensors, hf, hp, torch-dcp"),
+    (["--to", "bogus"], "unknown format 'bogus': choose one of hyperparallel"),
     (["--to", "pt", "--world-size", "2"], "layout options apply to hp and torch-dcp targets"),
     (["--to", "hp", "--placements", "R"], "--placements goes with --mesh"),
     (["--to", "pt", "--names", "nosuchpreset"], "no preset or rules file 'nosuchpreset'"),

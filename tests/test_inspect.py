@@ -46,7 +46,7 @@ def test_shards_list_chunk_boxes_per_rank_file_and_key():
 
 
 def test_include_and_exclude_filter_tensors_and_values():
-    doc = api.inspect(FIXTURES / "m0-torch-4rank", include=["optimizer.*"], exclude=["*.step"])
+    doc = api.inspect(FIXTURES / "m0-torch-4rank", api.Selection.of(["optimizer.*"], ["*.step"]))
     assert [t["fqn"] for t in doc["tensors"]] == ["optimizer.state.0.exp_avg", "optimizer.state.1.exp_avg_sq"]
     assert {v["fqn"] for v in doc["values"]} == {
         "optimizer.param_groups.0.lr", "optimizer.param_groups.0.betas", "optimizer.param_groups.0.params"}

@@ -1,9 +1,10 @@
 """MindSpore `.ckpt`: hpckpt's streaming reader and writer against real MindSpore, no mocks.
 
 Files are saved by `mindspore.save_checkpoint` (values wrapped in `Parameter`, since plain
-`Tensor` values are dropped by it) and read back through hpckpt bit-exact; files written by
-`CkptWriter` are loaded by `mindspore.load_checkpoint` (with its CRC check) and compared bit for
-bit, bfloat16 by its raw bits. Split tensors stay small: MindSpore's `SLICE_SIZE` (KiB) and
+`Tensor` values are dropped by it) and read back through hpckpt bit-exact; files written through
+hpckpt's pipeline (a memory source -> the `.ckpt` writer -> engine -> commit) are loaded by
+`mindspore.load_checkpoint` (with its CRC check) and compared bit for bit, bfloat16 by its raw
+bits. Split tensors stay small: MindSpore's `SLICE_SIZE` (KiB) and
 hpckpt's `SPLIT_BYTES` are lowered.
 """
 
@@ -22,12 +23,16 @@ from _util import assert_bit_equal
 from typer.testing import CliRunner
 
 from hpckpt.cli.app import app
-from hpckpt.converters import detect, open_index
-from hpckpt.converters.mindspore_ckpt import MindSporeCkptAdapter
+from hpckpt.converters import detect, format_named, open_index
+from hpckpt.converters.base import WriterOptions
+from hpckpt.converters.mindspore_ckpt import MindSporeCkptReader
 from hpckpt.core import mindspore_ckpt as mc
 from hpckpt.core.dtypes import dtype
 from hpckpt.core.errors import CorruptDataError, HpckptError, NotACheckpointError, UnknownFormatError
+from hpckpt.core.memory_source import MemoryTensor, memory_index
+from hpckpt.core.plan import whole_tensor_plan
 from hpckpt.core.read import read_box
+from hpckpt.core.write import Written, WriteSettings, write_plan
 
 ms = pytest.importorskip("mindspore")
 serialization = pytest.importorskip("mindspore.train.serialization")
@@ -243,7 +248,7 @@ def test_damaged_bytes_never_escape_as_other_exceptions(saved, tmp_path):
     with an HpckptError."""
     data = saved["all"].read_bytes()
     damaged = tmp_path / "damaged.ckpt"
-    adapter = MindSporeCkptAdapter()
+    adapter = MindSporeCkptReader()
     outcomes = {"ok": 0, "refused": 0}
     for position in range(len(data)):
         for byte in (0x00, 0xFF, data[position] ^ 0x08):
@@ -264,7 +269,7 @@ def test_damaged_bytes_never_escape_as_other_exceptions(saved, tmp_path):
 
 
 def test_sniff_claims_ckpt_files_only(saved, tmp_path):
-    adapter = MindSporeCkptAdapter()
+    adapter = MindSporeCkptReader()
     renamed = tmp_path / "weights.bin"
     shutil.copy(saved["all"], renamed)
     assert adapter.sniff(renamed) and detect(renamed).name == "mindspore-ckpt"
@@ -304,7 +309,7 @@ def test_cli_inspect_consolidate_reshard(saved, tmp_path):
 
 def test_dims_zero_with_one_element_is_0d_as_mindspore_loads_it(tmp_path):
     path = tmp_path / "odd.ckpt"
-    path.write_bytes(mc._piece_header(b"x", (0,), b"Float32", 4) + np.float32(2.5).tobytes())
+    path.write_bytes(mc.piece_header(b"x", (0,), b"Float32", 4) + np.float32(2.5).tobytes())
     loaded = ms.load_checkpoint(str(path))
     assert loaded["x"].shape == () and float(loaded["x"].asnumpy()) == 2.5
     tensors, _ = read_all(path)
@@ -312,23 +317,22 @@ def test_dims_zero_with_one_element_is_0d_as_mindspore_loads_it(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# CkptWriter
+# Writing through the pipeline (MindSporeCkptWriter)
 
 
 def write_with_hpckpt(path: Path, data: dict[str, np.ndarray], strings: dict[str, str] = {},
-                      crc: bool = True, piece: int = 333) -> list[str]:
-    """Stream each tensor in `piece`-byte writes (not aligned to rows or splits)."""
-    with mc.CkptWriter(path, crc=crc, sync=False) as writer:
-        for name, array in data.items():
-            kind = dtype("bfloat16") if name.startswith("bf16") else dtype(array.dtype.name)
-            if writer.begin_tensor(name, kind, array.shape):
-                raw = memoryview(np.require(array, requirements="C").tobytes())
-                for start in range(0, len(raw), piece):
-                    writer.write(raw[start:start + piece])
-                writer.end_tensor()
-        for name, text in strings.items():
-            writer.add_string(name, text)
-    return writer.skipped
+                      crc: bool = True, piece: int = 333, **settings) -> list[str]:
+    """Write `data` (then `strings`, as plain `str` values) through the pipeline; a `piece`-byte
+    `max_memory` makes the engine copy small tiles, not aligned to rows or splits. Returns the
+    names the writer skipped."""
+    source = memory_index({name: MemoryTensor.whole(dtype("bfloat16") if name.startswith("bf16") else dtype(array.dtype.name),
+                                                    array)
+                           for name, array in data.items()}, strings, framework="mindspore")
+    writer = format_named("ms").writer(WriterOptions(name=path.name, crc=crc))
+    written = write_plan(whole_tensor_plan(source), source, writer, path,
+                         WriteSettings(sync=False, max_memory=piece, **settings), file_output=True)
+    assert isinstance(written, Written)
+    return [fqn for fqn, _reason in written.skipped]
 
 
 def test_writer_output_loads_in_mindspore_bit_exact(tmp_path, monkeypatch):
@@ -365,38 +369,32 @@ def test_writer_matches_mindspore_byte_for_byte(tmp_path, monkeypatch):
     assert ours.read_bytes() == reference.read_bytes()
 
 
+class FailingProgress:
+    """A progress report whose `advance` raises once a few bytes went by: a run failing mid-copy."""
+
+    def start(self, total: int) -> None:
+        self.seen = 0
+
+    def advance(self, n: int) -> None:
+        self.seen += n
+        if self.seen > 4:
+            raise RuntimeError("caller failed")
+
+
 def test_writer_refuses_misuse_and_leaves_nothing(tmp_path):
     path = tmp_path / "x.ckpt"
     with pytest.raises(RuntimeError):
-        with mc.CkptWriter(path) as writer:
-            writer.add_tensor("a", dtype("float32"), (2,), np.zeros(2, np.float32).tobytes())
-            raise RuntimeError("caller failed")
+        write_with_hpckpt(path, {"a": np.zeros(2, np.float32)}, piece=4, progress=FailingProgress())
     assert list(tmp_path.iterdir()) == []
 
-    writer = mc.CkptWriter(path)
     with pytest.raises(ValueError, match="cannot hold"):
-        writer.begin_tensor("c", dtype("complex64"), (1,))
-    with pytest.raises(ValueError, match="remain"):
-        writer.add_tensor("a", dtype("float32"), (2,), bytes(12))
-    writer.abort()
+        write_with_hpckpt(path, {"c": np.zeros(1, np.complex64)})
     assert list(tmp_path.iterdir()) == []
+    # (dropped: "remain", "twice", "never written", "closed before", "aborted" tested the
+    # streaming CkptWriter's add_tensor/add_string/begin_tensor/write/end_tensor/close/abort API)
 
-    writer = mc.CkptWriter(path)
-    writer.add_tensor("a", dtype("int8"), (1,), b"\x01")
-    with pytest.raises(ValueError, match="twice"):
-        writer.add_string("a", "again")
-    writer.begin_tensor("b", dtype("int8"), (4,))
-    writer.write(b"\x01\x02")
-    with pytest.raises(ValueError, match="never written"):
-        writer.end_tensor()
-    with pytest.raises(ValueError, match="closed before"):
-        writer.close()
-    assert list(tmp_path.iterdir()) == []
-    with pytest.raises(ValueError, match="aborted"):
-        writer.close()
-
-    path.write_bytes(b"previous")  # an aborted writer leaves an existing destination alone
-    writer = mc.CkptWriter(path)
-    writer.add_string("s", "x")
-    writer.abort()
+    path.write_bytes(b"previous")  # a failed run leaves an existing destination alone
+    with pytest.raises(RuntimeError):
+        write_with_hpckpt(path, {"a": np.zeros(2, np.float32)}, {"s": "x"}, piece=4, force=True,
+                          progress=FailingProgress())
     assert path.read_bytes() == b"previous" and list(tmp_path.iterdir()) == [path]

@@ -58,7 +58,7 @@ ms.set_context(mode=ms.PYNATIVE_MODE)
 VOCAB, SEQ, BATCH, DIM, HIDDEN, OUT = 10, 5, 8, 4, 6, 3
 EPS = 1e-5  # LayerNorm and BatchNorm epsilon, the same on both sides
 LR = 0.01
-OPTIM = "optim."  # the torch-side prefix of the optimizer (core/names.py's DEFAULT_OPTIM_PREFIX)
+OPTIM = "optim."  # the torch-side prefix of the optimizer (converters/naming/presets.py's DEFAULT_OPTIM_PREFIX)
 
 # MindSpore parameter name -> torch state_dict key: the rename the preset must make.
 MS_TO_TORCH_NAMES = {

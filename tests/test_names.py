@@ -11,9 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from hpckpt.core import dtypes, names
+from hpckpt.converters import naming as names
+from hpckpt.core import dtypes
 from hpckpt.core.errors import HpckptError, PathNotFoundError
-from hpckpt.core.names import MS_TO_TORCH, TORCH_TO_MS, TORCH_TO_MS_ADAMW, NameCollisionError, NameRuleError
+from hpckpt.converters.naming import MS_TO_TORCH, TORCH_TO_MS, TORCH_TO_MS_ADAMW, NameCollisionError, NameRuleError
 
 from _util import REPO
 
@@ -417,7 +418,7 @@ def test_docs_show_the_example_file_verbatim():
 
 
 def test_names_imports_no_framework():
-    code = "import sys, hpckpt.core.names; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'mindspore')))"
+    code = "import sys, hpckpt.converters.naming; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'mindspore')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -60,3 +60,16 @@ def test_env_reports_what_a_bug_report_needs():
         assert info[key], key
     import numpy
     assert info["numpy"] == numpy.__version__
+
+
+def test_every_subpackage_is_listed_for_installation():
+    """A wheel holds only the packages pyproject.toml lists: a new subpackage left out would be
+    missing from every real (non-editable) install while the editable one works."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"hpckpt"} | {
+        "hpckpt." + ".".join(p.parent.relative_to(REPO).parts)
+        for top in ("api", "cli", "core", "converters") for p in (REPO / top).rglob("__init__.py")
+    }
+    assert listed == found

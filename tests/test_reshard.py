@@ -33,7 +33,7 @@ from typer.testing import CliRunner
 from hpckpt import api
 from hpckpt.cli.app import app
 from hpckpt.converters import open_index
-from hpckpt.converters.hyperparallel_write import ChunkData, write_checkpoint
+from hpckpt.converters.hyperparallel.from_memory import ChunkData, write_checkpoint
 from hpckpt.core import dtypes
 from hpckpt.core.errors import CorruptMetadataError, DestinationExistsError, MissingFileError
 from hpckpt.core.layout import LayoutSpec, Mesh, TensorLayout, parse_placements

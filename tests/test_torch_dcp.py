@@ -14,7 +14,7 @@ import pytest
 import torch
 from _util import read_location, torch_bytes
 
-from hpckpt.converters.torch_dcp import TorchDcpAdapter
+from hpckpt.converters.torch_dcp import TorchDcpReader
 from hpckpt.core.errors import (
     CorruptDataError,
     CorruptMetadataError,
@@ -108,7 +108,7 @@ def single_ckpt(tmp_path_factory) -> tuple[Path, dict]:
 
 def test_single_process_index(single_ckpt):
     path, flat = single_ckpt
-    adapter = TorchDcpAdapter()
+    adapter = TorchDcpReader()
     assert adapter.sniff(path)
     index = adapter.read_index(path)
     assert index.format == "torch-dcp" and index.framework == "torch"
@@ -127,28 +127,28 @@ def test_single_process_index(single_ckpt):
 
 def test_single_process_tensors_bit_exact(single_ckpt):
     path, flat = single_ckpt
-    index = TorchDcpAdapter().read_index(path)
+    index = TorchDcpReader().read_index(path)
     for fqn, entry in index.tensors.items():
         assert_tensor_equal(assemble(index, entry), flat[fqn])
 
 
 def test_single_process_noncontiguous_is_strided(single_ckpt):
     path, _ = single_ckpt
-    index = TorchDcpAdapter().read_index(path)
+    index = TorchDcpReader().read_index(path)
     entry = index.tensors["model.transposed"]
     assert index.locate(entry.chunks[0], entry).strides == (1, 4)  # DCP stores the view as is
 
 
 def test_single_process_values(single_ckpt):
     path, flat = single_ckpt
-    index = TorchDcpAdapter().read_index(path)
+    index = TorchDcpReader().read_index(path)
     for fqn, entry in index.values.items():
         assert entry.encoding == "torch_save"
         assert_value_equal(index.decode_value(fqn), flat[fqn])
 
 
 def test_sniff_rejects_other_directories(tmp_path):
-    adapter = TorchDcpAdapter()
+    adapter = TorchDcpReader()
     assert not adapter.sniff(tmp_path)
     (tmp_path / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": {}}))
     assert not adapter.sniff(tmp_path)
@@ -180,9 +180,9 @@ def test_truncated_metadata(single_ckpt, tmp_path):
     path = copy_ckpt(single_ckpt[0], tmp_path / "ckpt")
     meta = path / ".metadata"
     meta.write_bytes(meta.read_bytes()[:300])
-    assert TorchDcpAdapter().sniff(path)
+    assert TorchDcpReader().sniff(path)
     with pytest.raises(CorruptMetadataError, match=".metadata"):
-        TorchDcpAdapter().read_index(path)
+        TorchDcpReader().read_index(path)
 
 
 def test_hostile_metadata(single_ckpt, tmp_path):
@@ -190,14 +190,14 @@ def test_hostile_metadata(single_ckpt, tmp_path):
     marker = tmp_path / "pwned"
     (path / ".metadata").write_bytes(b"cos\nsystem\n(V" + f"touch {marker}".encode() + b"\ntR.")
     with pytest.raises(UnsafePickleError, match="os.system"):
-        TorchDcpAdapter().read_index(path)
+        TorchDcpReader().read_index(path)
     assert not marker.exists()
 
 
 def test_missing_data_file(single_ckpt, tmp_path):
     path = copy_ckpt(single_ckpt[0], tmp_path / "ckpt")
     (path / "__0_0.distcp").unlink()
-    index = TorchDcpAdapter().read_index(path)  # metadata alone still reads
+    index = TorchDcpReader().read_index(path)  # metadata alone still reads
     entry = index.tensors["model.w"]
     with pytest.raises(MissingFileError) as info:
         index.locate(entry.chunks[0], entry)
@@ -209,7 +209,7 @@ def test_missing_data_file(single_ckpt, tmp_path):
 def test_truncated_data_file(single_ckpt, tmp_path):
     path = copy_ckpt(single_ckpt[0], tmp_path / "ckpt")
     data = path / "__0_0.distcp"
-    index = TorchDcpAdapter().read_index(path)
+    index = TorchDcpReader().read_index(path)
     last = max(index.tensors.values(), key=lambda e: int(e.chunks[0].key.split(":")[0]))
     data.write_bytes(data.read_bytes()[:-100])
     with pytest.raises(CorruptDataError) as info:
@@ -219,7 +219,7 @@ def test_truncated_data_file(single_ckpt, tmp_path):
 
 def test_corrupt_record(single_ckpt, tmp_path):
     path = copy_ckpt(single_ckpt[0], tmp_path / "ckpt")
-    index = TorchDcpAdapter().read_index(path)
+    index = TorchDcpReader().read_index(path)
     entry = index.tensors["model.w"]
     offset, length = (int(x) for x in entry.chunks[0].key.split(":"))
     data = bytearray((path / "__0_0.distcp").read_bytes())
@@ -233,13 +233,13 @@ def test_path_outside_checkpoint(single_ckpt, tmp_path):
     path = copy_ckpt(single_ckpt[0], tmp_path / "ckpt")
     edit_metadata(path, lambda m: setattr(storage_info(m, "model.w"), "relative_path", "../elsewhere.distcp"))
     with pytest.raises(UnsafePathError, match="model.w"):
-        TorchDcpAdapter().read_index(path)
+        TorchDcpReader().read_index(path)
 
 
 def test_transformed_item_is_refused(single_ckpt, tmp_path):
     path = copy_ckpt(single_ckpt[0], tmp_path / "ckpt")
     edit_metadata(path, lambda m: setattr(storage_info(m, "model.w"), "transform_descriptors", ["zstd"]))
-    index = TorchDcpAdapter().read_index(path)
+    index = TorchDcpReader().read_index(path)
     assert index.notes
     entry = index.tensors["model.w"]
     with pytest.raises(UnknownFormatError, match="model.w"):
@@ -251,7 +251,7 @@ def test_transformed_item_is_refused(single_ckpt, tmp_path):
 def test_metadata_disagreeing_with_record(single_ckpt, tmp_path):
     path = copy_ckpt(single_ckpt[0], tmp_path / "ckpt")
     edit_metadata(path, lambda m: setattr(m.state_dict_metadata["model.w"].properties, "dtype", torch.float16))
-    index = TorchDcpAdapter().read_index(path)
+    index = TorchDcpReader().read_index(path)
     entry = index.tensors["model.w"]
     with pytest.raises(EntryMismatchError, match="model.w"):
         index.locate(entry.chunks[0], entry)
@@ -278,7 +278,7 @@ def dist_ckpt(tmp_path_factory) -> tuple[Path, dict]:
 @pytest.mark.dist
 def test_two_ranks_index(dist_ckpt):
     path, ref = dist_ckpt
-    index = TorchDcpAdapter().read_index(path)
+    index = TorchDcpReader().read_index(path)
     assert index.world_size == 2
     assert index.data_files == ["__0_0.distcp", "__1_0.distcp"]
     assert set(index.tensors) == set(ref["tensors"])
@@ -295,7 +295,7 @@ def test_two_ranks_index(dist_ckpt):
 @pytest.mark.dist
 def test_two_ranks_tensors_bit_exact(dist_ckpt):
     path, ref = dist_ckpt
-    index = TorchDcpAdapter().read_index(path)
+    index = TorchDcpReader().read_index(path)
     for fqn, entry in index.tensors.items():
         assert entry.dtype.torch == str(ref["tensors"][fqn].dtype)
         assert_tensor_equal(assemble(index, entry), ref["tensors"][fqn])
@@ -304,17 +304,17 @@ def test_two_ranks_tensors_bit_exact(dist_ckpt):
 @pytest.mark.dist
 def test_two_ranks_values(dist_ckpt):
     path, ref = dist_ckpt
-    index = TorchDcpAdapter().read_index(path)
+    index = TorchDcpReader().read_index(path)
     for key, want in ref["values"].items():
         assert_value_equal(index.decode_value(f"extra.{key}"), want)
 
 
 def test_not_a_directory(tmp_path):
     (tmp_path / "file").write_bytes(b"x")
-    assert not TorchDcpAdapter().sniff(tmp_path / "file")
+    assert not TorchDcpReader().sniff(tmp_path / "file")
     with pytest.raises(NotACheckpointError):
-        TorchDcpAdapter().read_index(tmp_path / "file")
+        TorchDcpReader().read_index(tmp_path / "file")
     with pytest.raises(NotACheckpointError):
-        TorchDcpAdapter().read_index(tmp_path)
+        TorchDcpReader().read_index(tmp_path)
     with pytest.raises(PathNotFoundError):
-        TorchDcpAdapter().read_index(tmp_path / "missing")
+        TorchDcpReader().read_index(tmp_path / "missing")

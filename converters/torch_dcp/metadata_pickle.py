@@ -1,11 +1,9 @@
-"""Writing PyTorch DCP checkpoints without torch: `__{rank}_0.distcp` files and `.metadata`.
+"""PyTorch DCP's `.metadata`, pickled opcode by opcode as torch 2.13 writes it, without torch.
 
-A `.distcp` file is a concatenation of torch.save archives, one per stored item (a tensor chunk,
-or a non-tensor value), as `torch.save(obj)` writes each; `.metadata` is a pickle of
-`torch.distributed.checkpoint.metadata` classes giving every chunk's box and the byte range of its
-archive. Both are produced here as torch 2.13 writes them, so `torch.distributed.checkpoint.load`
-and `dcp_to_torch_save` read the result. Tensor bytes are placed by the engine (kernel copies
-where possible), so memory stays bounded whatever the size.
+It is a pickle of `torch.distributed.checkpoint.metadata` classes: every tensor's dtype, global
+shape and chunk boxes, every value's marker, and the byte range of each stored item's archive
+in its `.distcp` file (`_StorageInfo`). `torch.distributed.checkpoint.load` and
+`dcp_to_torch_save` read it.
 """
 
 from __future__ import annotations
@@ -13,18 +11,10 @@ from __future__ import annotations
 import hashlib
 import pickle
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
-from hpckpt.core import dtypes
 from hpckpt.core.dtypes import DType
-from hpckpt.core.engine import TileCopier
-from hpckpt.core.index import CheckpointIndex
-from hpckpt.core.metadata import TensorStorageMetadata
-from hpckpt.core.plan import Plan
-from hpckpt.core.read import OpenFiles
-from hpckpt.core.staging import fsync_files, write_durably
-from hpckpt.core.torch_save_writer import PickleBuilder, TorchSaveWriter
+from hpckpt.core.pickle_builder import PickleBuilder
 
 _METADATA = "torch.distributed.checkpoint.metadata"
 _FILESYSTEM = "torch.distributed.checkpoint.filesystem"
@@ -41,57 +31,6 @@ class StoredItem:
     file: str
     offset: int
     length: int
-
-
-def distcp_name(rank: int) -> str:
-    return f"__{rank}_0.distcp"
-
-
-def write_torch_dcp(plan: Plan, index: CheckpointIndex, out_dir: Path, *, budget: int,
-                    progress: Callable[[int], None], sync: bool = True) -> None:
-    """Write every rank's `.distcp` file of `plan` and then `.metadata` into `out_dir`.
-
-    The plan is the HyperParallel one (boxes per rank, replicas stored once); its values go into
-    rank 0's file, where PyTorch's coordinator writes them.
-    """
-    positions = {(k.fqn, tuple(k.offset)): k.index for k in plan.metadata.storage_data if k.offset is not None}
-    values = [fqn for fqn, _payload in plan.values]
-    items: list[StoredItem] = []
-    targets = {f.rank: f for f in plan.files}
-    ranks = sorted(set(targets) | ({0} if values else set()))
-    written = []
-    with OpenFiles() as sources:
-        for rank in ranks:
-            name = distcp_name(rank)
-            path = out_dir / name
-            with open(path, "xb+") as f:
-                copier = TileCopier(index, sources, f.fileno(), budget, progress, writeback=sync)
-                for t in targets[rank].tensors if rank in targets else ():
-                    start = f.tell()
-                    writer = TorchSaveWriter(path, "archive", root="single", sink=f, fsync=False)
-                    writer.add_tensor(t.key, t.dtype, t.box.sizes)
-                    writer.write_tensor_in_place(t.key, lambda fd, offset, t=t: copier.write(t, offset))
-                    writer.close()
-                    items.append(StoredItem(t.fqn, t.box.offsets, positions[(t.fqn, t.box.offsets)], name,
-                                            start, f.tell() - start))
-                for fqn in values if rank == 0 else ():
-                    start = f.tell()
-                    writer = TorchSaveWriter(path, "archive", root="single", sink=f, fsync=False)
-                    writer.add_value(fqn, index.decode_value(fqn))
-                    writer.close()
-                    items.append(StoredItem(fqn, None, None, name, start, f.tell() - start))
-            written.append(path)
-    if sync:
-        fsync_files(written)
-    tensors = {fqn: (_dtype_of(plan, fqn), meta.size, [(c.offsets, c.sizes) for c in meta.chunks])
-               for fqn, meta in plan.metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
-    metadata = dumps_torch_metadata(tensors, values, items, plan.metadata.planner_data)
-    # durable like the data files: the staging directory is renamed into place right after this
-    write_durably(out_dir / ".metadata", metadata, sync)
-
-
-def _dtype_of(plan: Plan, fqn: str) -> DType:
-    return dtypes.dtype(plan.metadata.state_dict_metadata[fqn].properties.dtype)
 
 
 class _MetadataPickle(PickleBuilder):
@@ -207,4 +146,3 @@ def _dict_of(p: PickleBuilder, pairs: list[tuple[Callable[[], None], Callable[[]
             key()
             value()
         p.body += pickle.SETITEMS
-

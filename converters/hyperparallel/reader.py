@@ -58,7 +58,7 @@ def _read_pickle(root: Path, name: str) -> Metadata:
     return metadata
 
 
-class HyperParallelAdapter:
+class HyperParallelReader:
     name = "hyperparallel"
     description = "HyperParallel DCP, current and legacy layouts"
 

@@ -114,7 +114,7 @@ class TorchDcpLocator:
             )
 
 
-class TorchDcpAdapter:
+class TorchDcpReader:
     """`FormatAdapter` for PyTorch DCP checkpoint directories."""
 
     name = "torch-dcp"

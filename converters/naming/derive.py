@@ -1,25 +1,24 @@
 """Counters with no one-to-one counterpart in the other framework, computed for `convert-ms-torch`.
 
-`core.names` decides which destination tensors are derived (MindSpore's one `global_step` becomes
-a `step` per torch parameter, torch's steps and betas become `beta1_power`...); this computes
-their values from the source's counters, which are small tensors or plain values, and presents
-them as an index the engine can copy from like any other.
+`naming.mapping` decides which destination tensors are derived (MindSpore's one `global_step`
+becomes a `step` per torch parameter, torch's steps and betas become `beta1_power`...); this
+computes their values from the source's counters, which are small tensors or plain values, and
+presents them, held in memory, beside the source's own tensors (`core.memory_source`).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hpckpt.core.box import full_box
+from hpckpt.converters.naming.entries import Derived
+from hpckpt.converters.naming.presets import DEFAULT_ADAM_BETAS
 from hpckpt.core.errors import EntryMismatchError
-from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry
-from hpckpt.core.names import DEFAULT_ADAM_BETAS, Derived
+from hpckpt.core.index import CheckpointIndex
+from hpckpt.core.memory_source import MemoryTensor, with_memory_tensors
 from hpckpt.core.read import read_box
 
 
@@ -45,7 +44,7 @@ def _agreed(scalars: Callable[[str], list[float]], names: list[str], what: str) 
 
 
 def derive_values(index: CheckpointIndex, derived: Iterable[Derived]) -> dict[str, np.ndarray]:
-    """The value of each `names.Derived` entry, as an array of its dtype and shape."""
+    """The value of each `Derived` entry, as an array of its dtype and shape."""
     # read each counter once: a preset derives a `step` (or `lr`) per parameter from one counter,
     # and both beta powers from the same steps
     scalars = functools.cache(lambda name: _scalars(index, name))
@@ -84,39 +83,7 @@ def _lr(index: CheckpointIndex, scalars: Callable[[str], list[float]], sources: 
     return schedule[min(step, len(schedule) - 1)]
 
 
-_DERIVED = "<derived>"  # the chunk file of every derived tensor
-
-
-class _ExtraLocator:
-    """The derived tensors live in one small scratch file; everything else in the source."""
-
-    def __init__(self, inner: Any, locations: dict[str, Location]):
-        self.inner, self.locations = inner, locations
-
-    def locate(self, chunk: Chunk, entry: TensorEntry) -> Location:
-        if entry.fqn in self.locations and chunk.file == _DERIVED:
-            return self.locations[entry.fqn]
-        return self.inner.locate(chunk, entry)
-
-    def decode_value(self, entry: ValueEntry) -> Any:
-        return self.inner.decode_value(entry)
-
-    def file_problems(self, relative: str) -> list[str]:
-        return [] if relative == _DERIVED else self.inner.file_problems(relative)
-
-
-def with_tensors(index: CheckpointIndex, arrays: dict[str, np.ndarray], dtypes_of: dict[str, Any],
-                 scratch: Path) -> CheckpointIndex:
-    """`index` plus `arrays` as whole tensors, their bytes written to the file `scratch`.
-
-    `scratch` lives only as long as the conversion and is read back through the page cache, so
-    it is not fsynced."""
-    locations: dict[str, Location] = {}
-    tensors = dict(index.tensors)
-    with open(scratch, "wb") as f:
-        for name, array in arrays.items():
-            raw, shape, dtype = array.tobytes(), tuple(array.shape), dtypes_of[name]  # tobytes: C order
-            locations[name] = Location(scratch, f.tell(), len(raw), dtype, shape)
-            f.write(raw)
-            tensors[name] = TensorEntry(name, dtype, shape, [Chunk(full_box(shape), _DERIVED, name)], dtype.torch)
-    return replace(index, tensors=tensors, locator=_ExtraLocator(index.locator, locations))
+def with_tensors(index: CheckpointIndex, arrays: dict[str, np.ndarray], dtypes_of: dict[str, Any]) -> CheckpointIndex:
+    """`index` plus the derived `arrays` as whole tensors, held in memory."""
+    return with_memory_tensors(index, {name: MemoryTensor.whole(dtypes_of[name], np.require(array, requirements="C"))
+                                       for name, array in arrays.items()})

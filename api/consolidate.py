@@ -1,0 +1,33 @@
+"""`consolidate`: whole tensors for release or inference, in any format hpckpt writes."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from hpckpt.api import pipeline
+from hpckpt.api.options import Selection, parse_size
+from hpckpt.api.reports import WriteReport
+from hpckpt.converters import format_named, open_index
+from hpckpt.core.index import CheckpointIndex
+from hpckpt.core.layout import LayoutSpec
+from hpckpt.core.write import WriteSettings
+
+
+def consolidate(src: str | Path, out: str | Path, fmt: str = "safetensors", *, select: Selection = Selection(),
+                dtype: str | None = None, max_shard_size: str | int = "5GB", framework: str | None = None,
+                settings: WriteSettings = WriteSettings(), index: CheckpointIndex | None = None) -> WriteReport:
+    """Merge `src` into whole tensors: one safetensors file, Hugging Face shards, a torch.save
+    file, a `.ckpt`, or a one-rank HyperParallel or PyTorch DCP checkpoint. Non-tensor values go
+    where the format keeps them (the pt file, a JSON side file for the safetensors formats).
+
+    Raises:
+        ValueError: an unknown format.
+    """
+    started = time.perf_counter()
+    target_format = format_named(fmt)
+    index = index if index is not None else open_index(src)
+    layout = None if target_format.whole_tensors else LayoutSpec.for_world_size(1)
+    target = pipeline.Target(target_format, layout, None, framework, dtype, max_shard_bytes=parse_size(max_shard_size))
+    names = None if select.everything else select.names([*index.tensors, *index.values])
+    return pipeline.write("consolidate", src, out, index, target, settings, names=names, started=started)

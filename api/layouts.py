@@ -1,0 +1,70 @@
+"""Target layouts read off a source: keep each tensor's layout on a new mesh, or keep it all.
+
+Both look at each tensor's stored boxes (`core.layout.infer`) and rebuild the layout that gives
+them, so `reshard --keep-layout` and a `convert` without layout options need no layout file.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pathlib import Path
+
+from hpckpt.core.index import CheckpointIndex
+from hpckpt.core.layout import LayoutSpec, Mesh, Replicate, Shard, TensorLayout, infer
+
+
+def _splits(found) -> tuple[Shard, ...]:
+    return tuple(Shard(d, "balanced" if r == "even" else r) for d, r in zip(found.dims, found.rules))
+
+
+def keep_layout_spec(index: CheckpointIndex | str | Path, mesh: Mesh) -> LayoutSpec:
+    """Each tensor keeps its layout and changes only the mesh size (HSDP-style); `index` is the
+    source's index or its path.
+
+    Each tensor's split dims, as inferred from its chunks, go in order onto the last mesh dims
+    (outer mesh dims replicate), with the split rule it was saved with; replicated tensors stay
+    replicated; irregular ones (ragged) are split on dim 0 over the last mesh dim.
+    """
+    if not isinstance(index, CheckpointIndex):
+        from hpckpt.converters import open_index
+
+        index = open_index(index)
+    layouts = {}
+    for fqn, entry in index.tensors.items():
+        found = infer(entry.shape, entry.boxes, index.world_size)
+        if found is not None and found.kind == "replicated":
+            splits: list[Any] = []
+        elif found is not None and found.kind == "sharded":
+            splits = list(_splits(found))
+        else:
+            splits = [Shard(0)] if entry.shape else []
+        splits = splits[-mesh.ndim:] if splits else []
+        placements = (Replicate(),) * (mesh.ndim - len(splits)) + tuple(splits)
+        layouts[fqn] = TensorLayout(mesh, placements)
+    return LayoutSpec(mesh, layouts=layouts)
+
+
+def source_layout(index: CheckpointIndex) -> LayoutSpec:
+    """The layout the source was saved with, tensor by tensor: the same boxes on the same number
+    of ranks. A tensor split into n parts on W ranks gets the mesh (W / n, *parts) with its splits
+    on the inner dims (replicated over the outer one, as HSDP saves); replicated tensors stay
+    replicated; irregular ones (ragged) are split on dim 0 over all ranks."""
+    found = {fqn: infer(e.shape, e.boxes, index.world_size) for fqn, e in index.tensors.items()}
+    grids = [math.prod(f.parts) for f in found.values() if f is not None and f.kind == "sharded"]
+    world = max([index.world_size or 1, *grids])
+    mesh = Mesh((world,))
+    layouts = {}
+    for fqn, f in found.items():
+        if f is not None and f.kind == "sharded":
+            n = math.prod(f.parts)
+            if world % n == 0 and world > n:
+                layouts[fqn] = TensorLayout(Mesh((world // n, *f.parts)), (Replicate(),) + _splits(f))
+            else:
+                layouts[fqn] = TensorLayout(Mesh(f.parts), _splits(f))
+        elif (f is not None and f.kind == "replicated") or not index.tensors[fqn].shape:
+            layouts[fqn] = TensorLayout(mesh, (Replicate(),))
+        else:
+            layouts[fqn] = TensorLayout(mesh, (Shard(0),))
+    return LayoutSpec(mesh, layouts=layouts)

@@ -1,0 +1,44 @@
+"""`reshard`: a checkpoint onto a new world size or layout, as HyperParallel DCP; and `finalize`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from hpckpt.api import pipeline
+from hpckpt.api.options import Selection
+from hpckpt.api.reports import FinalizeReport, WriteReport
+from hpckpt.converters import format_named, open_index
+from hpckpt.core import commit
+from hpckpt.core.index import CheckpointIndex
+from hpckpt.core.layout import LayoutSpec
+from hpckpt.core.write import WriteSettings
+
+
+def reshard(src: str | Path, dst: str | Path, layout: LayoutSpec, *, select: Selection = Selection(),
+            ranks: Iterable[int] | None = None, framework: str | None = None, dtype: str | None = None,
+            settings: WriteSettings = WriteSettings(), dry_run: bool = False,
+            index: CheckpointIndex | None = None) -> WriteReport:
+    """Reshard `src` into a HyperParallel DCP checkpoint at `dst` laid out by `layout`.
+
+    With `ranks`, only those target ranks' files are written (fan-out); `finalize(dst)` writes
+    the metadata once every rank's files are there. `dry_run` plans and writes nothing.
+    """
+    started = time.perf_counter()
+    index = index if index is not None else open_index(src)
+    target = pipeline.Target(format_named("hyperparallel"), layout, tuple(ranks) if ranks is not None else None,
+                             framework, dtype)
+    names = None if select.everything else select.names([*index.tensors, *index.values])
+    return pipeline.write("reshard", src, dst, index, target, settings, names=names, dry_run=dry_run, started=started)
+
+
+def finalize(dst: str | Path) -> FinalizeReport:
+    """Write the metadata of a fanned-out reshard once every target rank's files are present.
+
+    Raises:
+        NotACheckpointError: `dst` holds no fan-out fragments.
+        CorruptMetadataError: the fragments come from different plans.
+        MissingFileError: some rank's files are missing (the message names one).
+    """
+    return FinalizeReport(str(dst), commit.finalize(Path(dst)))

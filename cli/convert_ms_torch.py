@@ -1,0 +1,59 @@
+"""`hpckpt convert-ms-torch SRC -o DST`: MindSpore <-> PyTorch in one step (names, dtypes, container)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from hpckpt.cli import _options as opt
+from hpckpt.cli._errors import handles_errors
+
+EXAMPLES = """Examples:
+
+  hpckpt convert-ms-torch net.ckpt -o net.pt                  MindSpore -> torch, names mapped
+  hpckpt convert-ms-torch model.pt -o model.ckpt              torch -> MindSpore
+  hpckpt convert-ms-torch hp-ms/ -o hp-torch/                 a HyperParallel DCP stays one
+  hpckpt convert-ms-torch net.ckpt -o net.pt --dry-run        the name table, nothing written
+  hpckpt convert-ms-torch net.ckpt -o net.pt --name-rules rules.toml   see docs/name-rules.md
+"""
+
+
+@handles_errors
+def convert_ms_torch(
+    src: Annotated[Path, typer.Argument(help="A MindSpore or PyTorch checkpoint (.ckpt, .pt, safetensors, DCP).")],
+    out: Annotated[Path, typer.Option("--output", "-o", help="Output file or directory; a file's extension picks the container.")],
+    to: Annotated[Optional[str], typer.Option("--to", help="torch or mindspore (default: the other side of the source).")] = None,
+    to_format: Annotated[Optional[str], typer.Option("--to-format", help="Container: pt, ms, safetensors, hf, hp, torch-dcp (default: the source's kind).")] = None,
+    name_rules: Annotated[Optional[Path], typer.Option("--name-rules", help="TOML rules (docs/name-rules.md); the preset applies after them.")] = None,
+    no_preset: Annotated[bool, typer.Option("--no-preset", help="Keep names as they are (only --name-rules rename).")] = False,
+    dtype: opt.DType = None,
+    include: opt.RenamedInclude = None,
+    exclude: opt.RenamedExclude = None,
+    crc: Annotated[bool, typer.Option("--crc", help="A .ckpt output ends with MindSpore's CRC trailer.")] = False,
+    max_memory: opt.MaxMemory = "64MiB",
+    no_fsync: opt.NoFsync = False,
+    force: opt.Force = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the source -> destination name table; write nothing.")] = False,
+    json_output: opt.Json = False,
+) -> None:
+    """Convert between MindSpore and PyTorch: names, dtype strings and container."""
+    from hpckpt import api
+    from hpckpt.cli import _targets
+    from hpckpt.cli.convert import name_rules as rules_from, run
+    from hpckpt.converters import format_named, open_index
+
+    _targets.check_framework(to, "--to")
+    if to_format is not None:
+        try:
+            format_named(to_format)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--to-format") from None
+    index = open_index(src)  # once: the plan and the conversion share it
+    target = api.ms_torch_target(src, out, to=to, to_format=to_format, index=index)
+    direction = "ms-to-torch" if target["to"] == "torch" else "torch-to-ms"
+    rules = rules_from(name_rules, "none" if no_preset else None, direction)
+    run(src, out, target["format"], layout=None, framework=target["to"], dtype=dtype, include=include, exclude=exclude,
+        rules=rules, max_shard_size="5GB", crc=crc, jobs=None, max_memory=max_memory, no_fsync=no_fsync,
+        force=force, dry_run=dry_run, json_output=json_output, command="convert-ms-torch", index=index)

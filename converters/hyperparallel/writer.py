@@ -1,0 +1,124 @@
+"""HyperParallel DCP laid out as HyperParallel's own writer lays it out, so its loader reads it.
+
+Per storing rank one `_rank{r}_.safetensors` (keys `fqn`, or `fqn.__dcp_chunk_{i}` when the file
+holds several chunks of one tensor), values pickled (protocol 4) into `_rank{r}_.bytes`, and
+`.metadata` last: chunks listed rank-major with `MetadataIndex.index` = position, dtypes spelled
+as torch or MindSpore writes them (`--framework`, default the source's).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+from hpckpt.converters.base import WriterOptions
+from hpckpt.core.dtypes import DType
+from hpckpt.core.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorProperties,
+    TensorStorageMetadata,
+    dumps_metadata,
+)
+from hpckpt.core.output import Extent, FileLayout, Finished, OutputLayout, Placement
+from hpckpt.core.plan import Plan, PlannedTensor
+from hpckpt.core.safetensors_io import encode_header
+
+METADATA_NAME = ".metadata"
+
+
+def tensor_file(rank: int) -> str:
+    return f"_rank{rank}_.safetensors"
+
+
+def values_file(rank: int) -> str:
+    return f"_rank{rank}_.bytes"
+
+
+def physical_keys(fqns: list[str]) -> list[str]:
+    """HyperParallel's key rule for the chunks of one file, in file order: the fqn when the file
+    holds one chunk of it, else `fqn.__dcp_chunk_{i}`, with `_` appended until the key is unique."""
+    counts: dict[str, int] = defaultdict(int)
+    for fqn in fqns:
+        counts[fqn] += 1
+    used = {fqn for fqn in fqns if counts[fqn] == 1}
+    seen: dict[str, int] = defaultdict(int)
+    keys = []
+    for fqn in fqns:
+        if counts[fqn] == 1:
+            keys.append(fqn)
+            continue
+        key = f"{fqn}.__dcp_chunk_{seen[fqn]}"
+        seen[fqn] += 1
+        while key in used:
+            key += "_"
+        used.add(key)
+        keys.append(key)
+    return keys
+
+
+class HyperParallelWriter:
+    """`FormatWriter` of HyperParallel DCP (call order in `converters.base`)."""
+
+    def __init__(self, options: WriterOptions):
+        self.mindspore = (options.framework or options.source_framework) == "mindspore"
+        self._plan: Plan | None = None
+        self._payloads: dict[str, bytes] = {}
+
+    def _spelling(self, dtype: DType) -> str:
+        return (dtype.mindspore or dtype.torch) if self.mindspore else dtype.torch
+
+    def layout(self, plan: Plan, values: Mapping[str, Any]) -> OutputLayout:
+        self._plan = plan
+        # Values are decoded (safely) and pickled again with protocol 4, as HyperParallel writes
+        # them: the same bytes whatever the source format.
+        self._payloads = {v.fqn: pickle.dumps(values[v.fqn], protocol=4) for v in plan.values}
+        file_metadata = {"format": "ms"} if self.mindspore else None
+        files = []
+        for rank, items in plan.by_rank.items():
+            if rank not in plan.producing:
+                continue
+            keys = physical_keys([t.fqn for t, _ in items])
+            head, offsets = encode_header([(k, t.dtype, b.box.sizes) for k, (t, b) in zip(keys, items)], file_metadata)
+            boxes = tuple(Placement(t, b, (Extent(at, t.box_nbytes(b)),)) for (t, b), at in zip(items, offsets))
+            files.append(FileLayout(tensor_file(rank), len(head) + sum(p.nbytes for p in boxes), ((0, head),), boxes))
+        for rank in sorted({v.rank for v in plan.values}):
+            if rank in plan.producing:
+                data = b"".join(self._payloads[v.fqn] for v in plan.values_of(rank))
+                files.append(FileLayout(values_file(rank), len(data), ((0, data),)))
+        return OutputLayout(tuple(files))
+
+    def expected_files(self, plan: Plan) -> list[str]:
+        return sorted([tensor_file(r) for r in plan.by_rank] + [values_file(r) for r in {v.rank for v in plan.values}])
+
+    def finish(self, crcs: Mapping[str, int]) -> Finished:
+        return Finished(metadata=((METADATA_NAME, dumps_metadata(self.metadata())),))
+
+    def metadata(self) -> Metadata:
+        """The `.metadata` of the whole plan (every rank, also when only some are written)."""
+        plan = self._plan
+        assert plan is not None, "layout() first"
+        storage: dict[MetadataIndex, StorageInfo] = {}
+        for rank, items in plan.by_rank.items():
+            name = tensor_file(rank)
+            for key, (tensor, planned) in zip(physical_keys([t.fqn for t, _ in items]), items):
+                storage[MetadataIndex(tensor.fqn, planned.box.offsets, planned.index)] = StorageInfo(name, 0, -1, key)
+        state: dict[str, Any] = {t.fqn: self._tensor_metadata(t) for t in plan.tensors}
+        for value in plan.values:
+            state[value.fqn] = BytesStorageMetadata()
+        for rank in sorted({v.rank for v in plan.values}):
+            position = 0
+            for value in plan.values_of(rank):
+                payload = self._payloads[value.fqn]
+                storage[MetadataIndex(value.fqn)] = StorageInfo(values_file(rank), position, len(payload))
+                position += len(payload)
+        return Metadata(state, planner_data=dict(plan.nesting) or None, storage_data=storage)
+
+    def _tensor_metadata(self, tensor: PlannedTensor) -> TensorStorageMetadata:
+        chunks = [ChunkStorageMetadata(b.box.offsets, b.box.sizes) for b in tensor.boxes]
+        return TensorStorageMetadata(TensorProperties(self._spelling(tensor.dtype)), tuple(tensor.shape), chunks)

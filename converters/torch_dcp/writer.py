@@ -1,0 +1,85 @@
+"""PyTorch DCP laid out as torch 2.13 writes it: `__{rank}_0.distcp` files and `.metadata`.
+
+A `.distcp` file is a concatenation of torch.save archives, one per stored item (a tensor chunk,
+or a non-tensor value), each what `torch.save(obj)` writes; values go into rank 0's file, where
+PyTorch's coordinator writes them. The plan's replicas are stored once, as HyperParallel and
+PyTorch's de-dup do. Every archive's position follows from the plan, so `.metadata` (which gives
+each item's byte range) is known for every rank, also in a fan-out run that writes only some.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hpckpt.converters.base import WriterOptions
+from hpckpt.converters.torch_dcp.metadata_pickle import StoredItem, dumps_torch_metadata
+from hpckpt.core.output import Extent, FileLayout, Finished, OutputLayout, Placement
+from hpckpt.core.plan import Plan
+from hpckpt.core.torch_archive import TorchArchive
+
+METADATA_NAME = ".metadata"
+
+
+def distcp_name(rank: int) -> str:
+    return f"__{rank}_0.distcp"
+
+
+class TorchDcpWriter:
+    """`FormatWriter` of PyTorch DCP (call order in `converters.base`)."""
+
+    def __init__(self, options: WriterOptions):
+        self._plan: Plan | None = None
+        self._items: list[StoredItem] = []
+        self._archives: dict[str, list[tuple[str, TorchArchive]]] = {}  # file -> (checksum id, archive)
+
+    def _ranks(self, plan: Plan) -> list[int]:
+        return sorted(set(plan.by_rank) | ({0} if plan.values else set()))
+
+    def layout(self, plan: Plan, values: Mapping[str, Any]) -> OutputLayout:
+        self._plan, self._items, self._archives = plan, [], {}
+        files = []
+        for rank in self._ranks(plan):
+            name, position, produce = distcp_name(rank), 0, rank in plan.producing
+            fixed, boxes, archives = [], [], []
+            for tensor, planned in plan.by_rank.get(rank, []):
+                archive = TorchArchive("archive", root="single")
+                key = archive.add_tensor(tensor.fqn, tensor.dtype, planned.box.sizes)
+                archive.layout(position)
+                if produce:
+                    crc_id = f"{name}:{position}"
+                    at, nbytes = archive.tensor_extent(key)
+                    fixed += archive.fixed
+                    boxes.append(Placement(tensor, planned, (Extent(at, nbytes),), crc_id))
+                    archives.append((crc_id, archive))
+                self._items.append(StoredItem(tensor.fqn, planned.box.offsets, planned.index, name, position, archive.size))
+                position += archive.size
+            for value in plan.values if rank == 0 else ():
+                archive = TorchArchive("archive", root="single")
+                archive.add_value(value.fqn, values[value.fqn])
+                archive.layout(position)
+                if produce:
+                    fixed += archive.fixed
+                    archives.append(("", archive))
+                self._items.append(StoredItem(value.fqn, None, None, name, position, archive.size))
+                position += archive.size
+            if produce:
+                self._archives[name] = archives
+                files.append(FileLayout(name, position, tuple(fixed), tuple(boxes)))
+        return OutputLayout(tuple(files))
+
+    def expected_files(self, plan: Plan) -> list[str]:
+        return [distcp_name(rank) for rank in self._ranks(plan)]
+
+    def finish(self, crcs: Mapping[str, int]) -> Finished:
+        plan = self._plan
+        assert plan is not None, "layout() first"
+        patches = []
+        for name, archives in self._archives.items():
+            for crc_id, archive in archives:
+                keys = archive.tensor_keys()
+                patches += [(name, at, data) for at, data in archive.finish({k: crcs[crc_id] for k in keys})]
+        tensors = {t.fqn: (t.dtype, tuple(t.shape), [(b.box.offsets, b.box.sizes) for b in t.boxes])
+                   for t in plan.tensors}
+        metadata = dumps_torch_metadata(tensors, [v.fqn for v in plan.values], self._items, dict(plan.nesting) or None)
+        return Finished(tuple(patches), ((METADATA_NAME, metadata),))

@@ -1,0 +1,126 @@
+"""`LayoutSpec`: the target layout of every tensor, from a world size, rules or `.layout` files.
+
+What `reshard` and `convert` are given as their target: it resolves `(fqn, shape)` to a
+`TensorLayout`, fitted to the tensor (a 0-d tensor is replicated, a Shard of a dim the tensor
+does not have becomes Replicate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+from hpckpt.core.errors import GeometryError
+from hpckpt.core.layout.layout_file import read_layout_records
+from hpckpt.core.layout.mesh import Mesh
+from hpckpt.core.layout.placements import Placement, RaggedShard, Replicate, Shard, check_rule
+from hpckpt.core.layout.rules import load_rules_file, pattern_matches
+from hpckpt.core.layout.tensor_layout import TensorLayout
+
+
+class LayoutSpec:
+    """Resolves `(fqn, shape) -> TensorLayout` for every tensor of a checkpoint.
+
+    Precedence: an exact entry of `layouts` (from `.layout` files), then the first matching
+    rule, then `default`, then Replicate everywhere. Before use, placements are fitted to the
+    tensor: a 0-d tensor is always replicated, and a Shard or RaggedShard of a dim the tensor
+    does not have falls back to Replicate for that mesh dim (so "S1" can be a default for a
+    model with 1-D biases). In FSDP mode a tensor whose dim 0 is empty is replicated as well.
+
+    Raises:
+        ValueError: neither a mesh nor layouts to take one from.
+        GeometryError: `default` or a rule has not one placement per mesh dim.
+    """
+
+    def __init__(
+        self,
+        mesh: Mesh | None = None,
+        default: Sequence[Placement] | None = None,
+        rules: Sequence[tuple[str, Sequence[Placement]]] = (),
+        layouts: Mapping[str, TensorLayout] | None = None,
+        *,
+        shapes: Mapping[str, tuple[int, ...]] | None = None,
+        fsdp: bool = False,
+    ):
+        self.layouts = dict(layouts or {})
+        if mesh is None and not self.layouts:
+            raise ValueError("a LayoutSpec needs a mesh (or a world size), or layouts to take ranks from")
+        self.mesh = mesh or _union_mesh(self.layouts.values())
+        self.default = tuple(default) if default is not None else (Replicate(),) * self.mesh.ndim
+        self.rules = [(pattern, tuple(p)) for pattern, p in rules]
+        self.shapes = dict(shapes or {})
+        self.fsdp = fsdp
+        for placements in [self.default] + [p for _, p in self.rules]:
+            TensorLayout(self.mesh, placements)  # fail now, not at the first tensor
+
+    @classmethod
+    def for_world_size(cls, world_size: int, rule: str = "balanced") -> "LayoutSpec":
+        """FSDP-style target: a 1-D mesh of `world_size` ranks, Shard(0) with `rule` for all.
+
+        Raises:
+            ValueError: world size < 1 or unknown rule.
+        """
+        if world_size < 1:
+            raise ValueError(f"world size must be >= 1, got {world_size}")
+        return cls(Mesh((world_size,)), (Shard(0, check_rule(rule)),), fsdp=True)
+
+    @classmethod
+    def from_toml(cls, path: str | Path, mesh: Mesh | None = None) -> "LayoutSpec":
+        """Load a layout rules file (see `rules.load_rules_file`); `mesh` overrides its `mesh` key.
+
+        Raises:
+            PathNotFoundError: the file does not exist.
+            LayoutRuleError: invalid file, or no mesh in the file nor given.
+        """
+        parts = load_rules_file(path, mesh)
+        return cls(parts.mesh, parts.default, parts.rules)
+
+    def with_default(self, default: Sequence[Placement]) -> "LayoutSpec":
+        """The same spec with other placements for the tensors no rule matches (validated)."""
+        return LayoutSpec(self.mesh, default, self.rules, self.layouts, shapes=self.shapes, fsdp=self.fsdp)
+
+    @classmethod
+    def from_layout_files(cls, path: str | Path | Sequence[str | Path]) -> "LayoutSpec":
+        """Target layouts from HyperParallel `.layout` files; other tensors are replicated
+        over every rank the files mention.
+
+        Raises:
+            PathNotFoundError, CorruptMetadataError, GeometryError: see `load_layout_file`.
+        """
+        rec = read_layout_records(path)
+        return cls(Mesh((len(rec.ranks),), tuple(rec.ranks)), layouts=rec.layouts, shapes=rec.shapes)
+
+    def resolve(self, fqn: str, shape: Sequence[int]) -> TensorLayout:
+        """Return the layout of tensor `fqn` of global `shape`, validated against it.
+
+        Raises:
+            GeometryError: the chosen layout cannot apply to `shape` (wrong placements count,
+                RaggedShard preconditions), or `shape` differs from a `.layout` full_shape.
+        """
+        shape = tuple(shape)
+        if fqn in self.layouts:
+            if fqn in self.shapes and self.shapes[fqn] != shape:
+                raise GeometryError(f"{fqn}: the layout file says shape {list(self.shapes[fqn])}, the tensor is {list(shape)}")
+            layout = self.layouts[fqn]
+        else:
+            placements = next((p for pattern, p in self.rules if pattern_matches(pattern, fqn)), self.default)
+            layout = TensorLayout(self.mesh, self._fit(placements, shape))
+        layout.validate(shape)
+        return layout
+
+    def _fit(self, placements: tuple[Placement, ...], shape: tuple[int, ...]) -> tuple[Placement, ...]:
+        if not shape or (self.fsdp and shape[0] < 1):
+            return (Replicate(),) * len(placements)
+        return tuple(Replicate() if _beyond(p, len(shape)) else p for p in placements)
+
+
+def _beyond(p: Placement, ndim: int) -> bool:
+    """True when `p` splits a tensor dim that an `ndim`-D tensor does not have."""
+    if isinstance(p, Shard):
+        return p.dim >= ndim
+    return isinstance(p, RaggedShard) and len(p.dims) > ndim
+
+
+def _union_mesh(layouts: Iterable[TensorLayout]) -> Mesh:
+    ranks = sorted({r for layout in layouts for r in layout.mesh.ranks})
+    return Mesh((len(ranks),), tuple(ranks))

@@ -1,0 +1,78 @@
+"""Carrying out a plan: writer -> engine -> commit, the tail of every writing command.
+
+The steps before it (open the source, select and rename entries, choose the target layout, plan)
+differ between commands; these do not, and no format may need anything else: the same function
+writes a conversion from a checkpoint on disk and a save from arrays in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpckpt.core import engine
+from hpckpt.core.commit import Fragment, Staging
+from hpckpt.core.index import CheckpointIndex
+from hpckpt.core.plan import Plan
+
+
+class Progress:
+    """What a writing command reports its progress to: `start(total_bytes)`, then `advance(n)`."""
+
+    def start(self, total: int) -> None: ...
+
+    def advance(self, n: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class WriteSettings:
+    """How to write, whatever is written: workers, memory for copy buffers, durability, and
+    whether an existing destination may be replaced."""
+
+    jobs: int | None = None
+    max_memory: int = engine.DEFAULT_MAX_MEMORY
+    sync: bool = True
+    force: bool = False
+    progress: Progress | None = None
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a write produced: data files, tensor bytes written and read, and what the format
+    could not hold (`skipped`, `(fqn, reason)`)."""
+
+    files: int
+    bytes_written: int
+    bytes_read: int
+    skipped: tuple[tuple[str, str], ...]
+
+
+def write_plan(plan: Plan, source: CheckpointIndex, writer, dest: Path, settings: WriteSettings, *,
+               file_output: bool = False, fan_out: bool = False) -> Written:
+    """Lay `plan` out with `writer`, fill it from `source` and commit it at `dest`.
+
+    `fan_out`: only the plan's producing ranks are written, straight into the shared `dest`
+    (`core.commit.Fragment`); `hpckpt reshard --finalize` writes the metadata later.
+    """
+    values = {v.fqn: source.decode_value(v.fqn) for v in plan.values}
+    layout = writer.layout(plan, values)
+    progress = settings.progress
+    if progress is not None:
+        progress.start(layout.nbytes)
+    advance: Callable[[int], None] | None = progress.advance if progress is not None else None
+    options = dict(jobs=settings.jobs, max_memory=settings.max_memory, progress=advance, sync=settings.sync)
+    if fan_out:
+        with Fragment(Path(dest), sync=settings.sync) as fragment:
+            done = engine.execute(layout, source, fragment.path, **options)
+            finished = writer.finish(done.crcs)
+            engine.finish(layout, finished, fragment.path, sync=settings.sync)
+            fragment.commit(plan.producing, finished.metadata, writer.expected_files(plan))
+    else:
+        with Staging(Path(dest), force=settings.force, sync=settings.sync, file_output=file_output) as staging:
+            done = engine.execute(layout, source, staging.path, **options)
+            finished = writer.finish(done.crcs)
+            engine.finish(layout, finished, staging.path, sync=settings.sync)
+            staging.write_metadata(finished.metadata)
+            staging.commit()
+    return Written(len(layout.files), layout.nbytes, done.bytes_read, layout.skipped)
