@@ -176,7 +176,7 @@ def source_pieces(index: CheckpointIndex, placements: list[Placement]) -> dict[i
         entry = index.tensors[fqn]
         ndim = len(entry.shape)
         chunks = entry.chunks
-        finder = ChunkIndex(ndim, *boxes_to_arrays([c.box for c in chunks], ndim))
+        finder = ChunkIndex(ndim, *entry.chunk_arrays())
         offsets, sizes = boxes_to_arrays([p.box.box for p in group], ndim)
         found = finder.pieces(offsets, sizes)
         check_covered(fqn, found, offsets, sizes)

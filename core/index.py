@@ -13,12 +13,20 @@ writers serve an offline conversion and a running job's save.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
 
 from hpckpt.core.box import Box
 from hpckpt.core.dtypes import DType
+
+
+def int_rows(rows: Sequence[Sequence[int]], ndim: int) -> np.ndarray:
+    """Equal-length int sequences (box offsets or sizes) as an int64 array `[len(rows), ndim]`."""
+    return np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=len(rows) * ndim).reshape(len(rows), ndim)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,18 +79,20 @@ class TensorEntry:
     """
 
     __slots__ = ("fqn", "dtype", "shape", "dtype_spelling", "n_chunks", "layout_hint", "_chunks", "_build",
-                 "_build_boxes")
+                 "_build_arrays", "_build_files")
 
     def __init__(self, fqn: str, dtype: DType, shape: tuple[int, ...], chunks: list[Chunk] | None = None,
                  dtype_spelling: str = "", *, build: Callable[[], list[Chunk]] | None = None,
-                 n_chunks: int | None = None, build_boxes: Callable[[], list[Box]] | None = None):
+                 n_chunks: int | None = None, build_arrays: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None,
+                 build_files: Callable[[Sequence[int] | None], list[str]] | None = None):
         self.fqn = fqn
         self.dtype = dtype
         self.shape = shape
         self.dtype_spelling = dtype_spelling  # as written in the metadata: "torch.float32", "Float32"
         self._chunks = chunks
         self._build = build
-        self._build_boxes = build_boxes
+        self._build_arrays = build_arrays
+        self._build_files = build_files
         self.layout_hint: str | None = None  # the inferred layout, when a snapshot already knows it
         self.n_chunks = len(chunks) if chunks is not None else int(n_chunks or 0)
 
@@ -96,9 +106,25 @@ class TensorEntry:
     @property
     def boxes(self) -> list[Box]:
         """The stored boxes alone; cheaper than `chunks` when the adapter can list them directly."""
-        if self._chunks is None and self._build_boxes is not None:
-            return self._build_boxes()
+        if self._chunks is None and self._build_arrays is not None:
+            offsets, sizes = self._build_arrays()
+            return [Box(tuple(o), tuple(z)) for o, z in zip(offsets.tolist(), sizes.tolist())]
         return [c.box for c in self.chunks]
+
+    def chunk_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """`(offsets, sizes)` of the stored chunks as int64 arrays `[n_chunks, ndim]`, in chunk
+        order: what planning onto thousands of ranks works on, without an object per chunk."""
+        if self._chunks is None and self._build_arrays is not None:
+            return self._build_arrays()
+        ndim, chunks = len(self.shape), self.chunks
+        return int_rows([c.box.offsets for c in chunks], ndim), int_rows([c.box.sizes for c in chunks], ndim)
+
+    def chunk_files(self, which: Sequence[int] | None = None) -> list[str]:
+        """The file holding each stored chunk `which` (default: all, in chunk order)."""
+        if self._chunks is None and self._build_files is not None:
+            return self._build_files(which)
+        chunks = self.chunks
+        return [c.file for c in chunks] if which is None else [chunks[i].file for i in which]
 
     @property
     def nbytes(self) -> int:

@@ -16,15 +16,12 @@ import numpy as np
 
 from hpckpt.core.box import Box
 from hpckpt.core.errors import GeometryError
+from hpckpt.core.index import int_rows
 
 
 def boxes_to_arrays(boxes: list[Box], ndim: int) -> tuple[np.ndarray, np.ndarray]:
     """`(offsets, sizes)` as int64 arrays of shape `[len(boxes), ndim]`."""
-    if not boxes:
-        return np.zeros((0, ndim), np.int64), np.zeros((0, ndim), np.int64)
-    offsets = np.array([b.offsets for b in boxes], dtype=np.int64).reshape(len(boxes), ndim)
-    sizes = np.array([b.sizes for b in boxes], dtype=np.int64).reshape(len(boxes), ndim)
-    return offsets, sizes
+    return int_rows([b.offsets for b in boxes], ndim), int_rows([b.sizes for b in boxes], ndim)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from typing import Any, Iterable
 
 from hpckpt.core.dtypes import DType
-from hpckpt.core.torch_zip import contiguous_strides
+from hpckpt.core.torch_records import contiguous_strides
 
 _U32_MAX = 0xFFFFFFFF
 

@@ -111,20 +111,17 @@ def _owners(boxes: list[RankBoxes], itemsizes: list[int], world_size: int) -> li
     largest boxes first (ties: tensor order, then first appearance), lowest rank on equal load."""
     load = np.zeros(world_size, np.int64)
     owners: list[np.ndarray] = []
-    shared: list[tuple[int, int, int, np.ndarray]] = []
+    shared: list[tuple[int, int, int]] = []
     for t, (grid, itemsize) in enumerate(zip(boxes, itemsizes)):
         nbytes = (np.prod(grid.sizes, axis=1) if grid.sizes.shape[1] else np.ones(len(grid), np.int64)) * itemsize
-        owner = np.full(len(grid), -1, np.int64)
-        for i, holders in enumerate(grid.holders):
-            if len(holders) == 1:
-                owner[i] = holders[0]
-            else:
-                shared.append((-int(nbytes[i]), t, i, holders))
-        single = owner >= 0
+        single = grid.counts == 1
+        owner = np.where(single, grid.ranks[grid.starts] if len(grid) else 0, -1)
         np.add.at(load, owner[single], nbytes[single])
         owners.append(owner)
-    shared.sort(key=lambda s: (s[0], s[1], s[2]))
-    for neg_bytes, t, i, holders in shared:
+        shared += [(-int(nbytes[i]), t, i) for i in np.flatnonzero(~single).tolist()]
+    shared.sort()
+    for neg_bytes, t, i in shared:
+        holders = boxes[t].holders(i)
         if len(holders) <= 16:
             best = min(holders.tolist(), key=lambda r: (load[r], r))
         else:

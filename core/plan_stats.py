@@ -42,8 +42,7 @@ def rank_stats(plan: Plan, index: CheckpointIndex) -> list[RankStats]:
             continue
         entry = index.tensors[tensor.fqn]
         ndim = len(tensor.shape)
-        chunks = entry.chunks
-        finder = ChunkIndex(ndim, *boxes_to_arrays([c.box for c in chunks], ndim))
+        finder = ChunkIndex(ndim, *entry.chunk_arrays())
         offsets, sizes = boxes_to_arrays([b.box for b in boxes], ndim)
         pieces = finder.pieces(offsets, sizes)
         check_covered(tensor.fqn, pieces, offsets, sizes)
@@ -56,7 +55,9 @@ def rank_stats(plan: Plan, index: CheckpointIndex) -> list[RankStats]:
             per_rank = np.bincount(piece_ranks, weights=volumes, minlength=plan.world_size)
             for rank in np.flatnonzero(per_rank).tolist():
                 read[rank] += int(per_rank[rank])
+        hit = np.unique(pieces.chunk)
+        file_of = dict(zip(hit.tolist(), entry.chunk_files(hit.tolist())))
         for rank, chunk in set(zip(piece_ranks.tolist(), pieces.chunk.tolist())):
-            files[rank].add(chunks[chunk].file)
+            files[rank].add(file_of[chunk])
     return [RankStats(rank, written[rank], read[rank], len(files[rank]))
             for rank in sorted(plan.by_rank) if rank in producing]

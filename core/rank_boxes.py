@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpckpt.core.box import Box, one_per_start
 from hpckpt.core.errors import GeometryError
 from hpckpt.core.layout import RaggedShard, Shard, TensorLayout
 
@@ -21,14 +20,20 @@ from hpckpt.core.layout import RaggedShard, Shard, TensorLayout
 @dataclass(frozen=True)
 class RankBoxes:
     """The distinct boxes of a tensor, in order of first appearance (by rank, then by position
-    in that rank's list), and the ranks (ascending) that hold each."""
+    in that rank's list), and the ranks that hold each: box `i`'s holders are
+    `ranks[starts[i]:starts[i] + counts[i]]`, ascending."""
 
     offsets: np.ndarray  # [n, ndim] int64
     sizes: np.ndarray  # [n, ndim] int64
-    holders: list[np.ndarray]
+    ranks: np.ndarray
+    starts: np.ndarray
+    counts: np.ndarray
 
     def __len__(self) -> int:
         return len(self.offsets)
+
+    def holders(self, i: int) -> np.ndarray:
+        return self.ranks[self.starts[i]:self.starts[i] + self.counts[i]]
 
 
 def _split(length: np.ndarray, parts: int, index: np.ndarray, rule: str) -> tuple[np.ndarray, np.ndarray]:
@@ -76,8 +81,8 @@ def _listed(layout: TensorLayout, shape: tuple[int, ...]) -> tuple[np.ndarray, n
 def rank_boxes(layout: TensorLayout, shape: tuple[int, ...]) -> RankBoxes:
     """The distinct boxes every rank of `layout` holds of a tensor of global `shape`.
 
-    Of the boxes that start at the same offsets (only empty ones do), one is kept
-    (`core.box.one_per_start`): they would share a metadata key (fqn + offsets).
+    Of the boxes that start at the same offsets (only empty ones do), one is kept, as
+    `core.box.one_per_start` says: they would share a metadata key (fqn + offsets).
 
     Raises:
         GeometryError: the layout cannot apply to `shape`, or gives a box outside the tensor.
@@ -86,35 +91,48 @@ def rank_boxes(layout: TensorLayout, shape: tuple[int, ...]) -> RankBoxes:
     layout.validate(shape)
     if not shape:
         ranks = np.sort(np.array(layout.mesh.ranks, np.int64))
-        return RankBoxes(np.zeros((1, 0), np.int64), np.zeros((1, 0), np.int64), [ranks])
+        return RankBoxes(np.zeros((1, 0), np.int64), np.zeros((1, 0), np.int64), ranks,
+                         np.zeros(1, np.int64), np.array([len(ranks)], np.int64))
     if any(isinstance(p, RaggedShard) for p in layout.placements):
         ranks, offsets, sizes, slots = _listed(layout, shape)
     else:
         ranks, offsets, sizes = _grid(layout, shape)
         slots = np.zeros(len(ranks), np.int64)
+    ndim = len(shape)
     if len(ranks) == 0:
-        return RankBoxes(offsets, sizes, [])
+        empty = np.zeros(0, np.int64)
+        return RankBoxes(offsets, sizes, empty, empty, empty)
     outside = np.any((offsets < 0) | (sizes < 0) | (offsets + sizes > np.array(shape)), axis=1)
     if outside.any():
         i = int(np.flatnonzero(outside)[0])
         raise GeometryError(f"target box {offsets[i].tolist()}+{sizes[i].tolist()} of rank {int(ranks[i])} "
                             f"lies outside {list(shape)}")
     appearance = np.lexsort((slots, ranks))  # rank order, then the order within a rank's list
-    rows = np.concatenate([offsets, sizes], axis=1)[appearance]
-    _, first, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    by_appearance = np.argsort(first, kind="stable")  # unique id -> position in appearance order
-    rank_of_row = ranks[appearance]
-    grouped = np.argsort(inverse, kind="stable")
-    bounds = np.cumsum(np.bincount(inverse, minlength=len(first)))
-    holders_by_unique = np.split(rank_of_row[grouped], bounds[:-1])
-    unique_rows = rows[first[by_appearance]]
-    holders = [np.unique(holders_by_unique[u]) for u in by_appearance]
-    ndim = len(shape)
-    out_offsets, out_sizes = unique_rows[:, :ndim], unique_rows[:, ndim:]
-    if np.any(out_sizes == 0):
-        boxes = [Box(tuple(o), tuple(z)) for o, z in zip(out_offsets.tolist(), out_sizes.tolist())]
-        keep = one_per_start(boxes)
-        out_offsets, out_sizes = out_offsets[keep], out_sizes[keep]
-        holders = [holders[i] for i in keep]
-    return RankBoxes(out_offsets, out_sizes, holders)
+    rows, ranks = np.concatenate([offsets, sizes], axis=1)[appearance], ranks[appearance]
+    as_bytes = np.ascontiguousarray(rows).view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))).ravel()
+    _, first, inverse, counts = np.unique(as_bytes, return_index=True, return_inverse=True, return_counts=True)
+    order = np.argsort(first, kind="stable")  # the distinct boxes in order of first appearance
+    rank_of = np.empty(len(order), np.int64)
+    rank_of[order] = np.arange(len(order))  # unique id -> its place in that order
+    grouped = ranks[np.argsort(rank_of[inverse], kind="stable")]  # holders, box by box, ascending
+    counts = counts[order]
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    rows = rows[first[order]]
+    keep = _one_per_start(rows[:, :ndim], rows[:, ndim:])
+    if keep is not None:
+        rows, starts, counts = rows[keep], starts[keep], counts[keep]
+    return RankBoxes(rows[:, :ndim], rows[:, ndim:], grouped, starts, counts)
+
+
+def _one_per_start(offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray | None:
+    """`core.box.one_per_start` on arrays (None: nothing to leave out): of the boxes that start at
+    the same offsets, the non-empty one, else the first."""
+    empty = np.any(sizes == 0, axis=1)
+    if not empty.any():
+        return None
+    n = len(offsets)
+    order = np.lexsort((np.arange(n), empty) + tuple(offsets[:, d] for d in reversed(range(offsets.shape[1]))))
+    ordered = offsets[order]
+    first = np.ones(n, bool)
+    first[1:] = np.any(ordered[1:] != ordered[:-1], axis=1)
+    return np.sort(order[first])

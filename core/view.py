@@ -13,7 +13,7 @@ from typing import Any
 
 from hpckpt.core.box import Box
 from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry
-from hpckpt.core.torch_zip import contiguous_strides
+from hpckpt.core.torch_records import contiguous_strides
 
 
 def _permute(values: tuple[int, ...], perm: tuple[int, ...]) -> tuple[int, ...]:

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Iterable
 from pathlib import Path
+
+import numpy as np
 
 from hpckpt.converters import index_cache
 from hpckpt.converters.data_files import DataFileLocator
 from hpckpt.core import dtypes
 from hpckpt.core.box import Box
 from hpckpt.core.errors import CorruptMetadataError, MissingFileError, UnknownFormatError
-from hpckpt.core.index import CheckpointIndex, Chunk, TensorEntry, ValueEntry
+from hpckpt.core.index import CheckpointIndex, Chunk, TensorEntry, ValueEntry, int_rows
 from hpckpt.core.layout import inferred_layouts
 from hpckpt.core.metadata import (
     BytesStorageMetadata,
@@ -126,6 +129,7 @@ class _Source:
         self.name = name
         self._by_box: dict | None = None
         self._by_position: dict | None = None
+        self._positions: dict | None = None
 
     def _lookup(self) -> tuple[dict, dict]:
         """Chunk storage by (fqn, offsets) and, when boxes repeat, by (fqn, offsets, position).
@@ -143,18 +147,46 @@ class _Source:
                 self._by_position = {(k.fqn, tuple(k.offset or ()), k.index): v for k, v in storage.items()}
         return self._by_box, self._by_position
 
-    def chunks(self, fqn: str, item: TensorStorageMetadata) -> list[Chunk]:
-        by_box, by_position = self._lookup()
+    def _by_index(self) -> dict[str, dict[int, tuple]]:
+        """fqn -> chunk position -> (offsets, StorageInfo), from `MetadataIndex.index`, which
+        HyperParallel's writer sets to the chunk's position: one pass over storage_data."""
+        if self._positions is None:
+            self._positions = {}
+            for key, info in self.metadata.storage_data.items():
+                if key.index is not None:
+                    self._positions.setdefault(key.fqn, {})[key.index] = (key.offset, info)
+        return self._positions
+
+    def _infos(self, fqn: str, item: TensorStorageMetadata, which: Iterable[int] | None = None) -> list:
+        """The StorageInfo of chunks `which` (default: all) of `fqn`, in that order: by position
+        when it agrees with the chunk's offsets (one dict lookup), else by offsets."""
+        chunks = item.chunks
+        positions = self._by_index().get(fqn, {})
+        by_box = by_position = None
         out = []
-        for i, chunk in enumerate(item.chunks):
-            offsets = tuple(map(int, chunk.offsets))
+        for i in range(len(chunks)) if which is None else which:
+            offsets = chunks[i].offsets
+            found = positions.get(i)
+            if found is not None and found[0] == offsets:
+                out.append(found[1])
+                continue
+            if by_box is None:
+                by_box, by_position = self._lookup()
+            offsets = _ints(offsets)
             info = (by_position.get((fqn, offsets, i)) if by_position else None) or by_box.get((fqn, offsets))
             if info is None:
                 info = self.metadata.storage_data.get(MetadataIndex(fqn, offsets))
             if info is None:
                 raise CorruptMetadataError(f"{self.name}: chunk {i} of {fqn} at {list(offsets)} has no storage_data entry")
-            out.append(Chunk(Box(offsets, tuple(map(int, chunk.sizes))), info.relative_path, info.tensor_key or fqn))
+            out.append(info)
         return out
+
+    def chunks(self, fqn: str, item: TensorStorageMetadata) -> list[Chunk]:
+        return [Chunk(Box(_ints(c.offsets), _ints(c.sizes)), info.relative_path, info.tensor_key or fqn)
+                for c, info in zip(item.chunks, self._infos(fqn, item))]
+
+    def files(self, fqn: str, item: TensorStorageMetadata, which: Iterable[int] | None = None) -> list[str]:
+        return [info.relative_path for info in self._infos(fqn, item, which)]
 
     def merge_into(self, tensors: dict[str, TensorEntry], values: dict[str, ValueEntry]) -> None:
         storage = self.metadata.storage_data
@@ -170,7 +202,8 @@ class _Source:
                 entry = tensors.get(fqn)
                 if entry is None:
                     tensors[fqn] = TensorEntry(fqn, dtype, shape, None, spelling, build=build, n_chunks=len(item.chunks),
-                                               build_boxes=functools.partial(_boxes, item))
+                                               build_arrays=functools.partial(_arrays, item, len(shape)),
+                                               build_files=functools.partial(self.files, fqn, item))
                 elif entry.dtype != dtype or entry.shape != shape:
                     raise CorruptMetadataError(
                         f"{self.name}: tensor {fqn} is {dtype}{list(shape)} here but "
@@ -178,7 +211,7 @@ class _Source:
                     )
                 else:
                     entry._build = _concat(entry._build, build)
-                    entry._build_boxes = None
+                    entry._build_arrays = entry._build_files = None
                     entry.n_chunks += len(item.chunks)
             elif isinstance(item, BytesStorageMetadata):
                 info = storage.get(MetadataIndex(fqn))
@@ -189,8 +222,14 @@ class _Source:
                 raise CorruptMetadataError(f"{self.name}: entry {fqn} has unexpected type {type(item).__name__}")
 
 
-def _boxes(item: TensorStorageMetadata) -> list[Box]:
-    return [Box(tuple(map(int, c.offsets)), tuple(map(int, c.sizes))) for c in item.chunks]
+def _ints(values) -> tuple[int, ...]:
+    """A box's offsets or sizes as a tuple of ints, whatever sequence the pickle held."""
+    return tuple(map(int, values))
+
+
+def _arrays(item: TensorStorageMetadata, ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    chunks = item.chunks
+    return int_rows([c.offsets for c in chunks], ndim), int_rows([c.sizes for c in chunks], ndim)
 
 
 def _concat(first, second):
