@@ -2,15 +2,14 @@
 
     python bench/profile_engine.py [--prof FILE] [--top 25] [--threads] -- reshard SRC -o OUT -w 8
 
-cProfile only sees the thread it runs in, and the engine copies files on a thread pool; unless
-`--threads` is given, `hpckpt.core.engine.ThreadPoolExecutor` (and the one `api.consolidate` uses
-for `--format hf`) is replaced by an executor that runs each task at once in the calling thread,
-so every copy shows up in the profile (same work, serialised: wall time is then the jobs=1 time).
-Wall time of the main phases is measured by wrapping `open_index`, `make_plan` /
-`plan_whole_tensors`, `engine.write_target_file`, `engine.TileCopier._direct` / `_gather`,
-`os.copy_file_range`, `os.pwrite`, `os.preadv`, `os.fsync`, `start_writeback`, the torch-dcp
-locator's `resolve_inside` and `StagingDir.commit` with timers
-(cumulative seconds and calls; nested phases overlap). The output directory is removed at the end.
+cProfile only sees the thread it runs in, and the engine copies files on its thread pool (the only
+one); unless `--threads` is given, `hpckpt.core.engine.ThreadPoolExecutor` is replaced by an
+executor that runs each task at once in the calling thread, so every copy shows up in the profile
+(same work, serialised: wall time is then the jobs=1 time). Wall time of the pipeline's phases is
+measured by wrapping `open_index`, the plan, the per-rank figures, the engine's reads, files,
+kernel copies and gathers, CRC read-backs, patches, `os.copy_file_range`, `os.pwrite`,
+`os.preadv`, `os.fsync`, `start_writeback` and the commit with timers (cumulative seconds and
+calls; nested phases overlap). The output directory is removed at the end.
 """
 
 from __future__ import annotations
@@ -71,41 +70,32 @@ def main() -> int:
     cmd = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
 
     started = time.perf_counter()
-    from hpckpt import api
+    from hpckpt.api import pipeline
     from hpckpt.cli import app
-    from hpckpt.core import engine, plan, staging
+    from hpckpt.core import commit, engine, write
     import hpckpt.converters as converters
 
     if not args.threads:
         engine.ThreadPoolExecutor = InlineExecutor
-        concurrent.futures.ThreadPoolExecutor = InlineExecutor
-    api.open_index = timed("open_index (metadata)", api.open_index)
-    converters.open_index = api.open_index
-    plan.make_plan = timed("make_plan", plan.make_plan)
-    plan.plan_whole_tensors = timed("plan_whole_tensors", plan.plan_whole_tensors)
-    engine.write_target_file = timed("engine.write_target_file (per file)", engine.write_target_file)
-    engine.TileCopier._direct = timed("TileCopier._direct (copy_file_range path)", engine.TileCopier._direct)
-    engine.TileCopier._gather = timed("TileCopier._gather (pread into tile buffer)", engine.TileCopier._gather)
-    engine.TileCopier._location = timed("TileCopier._location (index.locate)", engine.TileCopier._location)
+    converters.open_index = timed("open_index (metadata)", converters.open_index)
+    for module in ("hpckpt.api.reshard", "hpckpt.api.consolidate", "hpckpt.api.convert", "hpckpt.api.inspect"):
+        setattr(sys.modules[module], "open_index", converters.open_index)
+    pipeline.make_target_plan = timed("make_target_plan (plan)", pipeline.make_target_plan)
+    pipeline.rank_stats = timed("rank_stats (--plan figures)", pipeline.rank_stats)
+    engine.source_pieces = timed("engine.source_pieces (reads of every box)", engine.source_pieces)
+    engine._fill_file = timed("engine._fill_file (per file)", engine._fill_file)
+    engine._BoxFiller._direct = timed("_BoxFiller._direct (copy_file_range path)", engine._BoxFiller._direct)
+    engine._BoxFiller._gather = timed("_BoxFiller._gather (pread into tile buffer)", engine._BoxFiller._gather)
+    engine._crc_at = timed("engine._crc_at (CRC read-back)", engine._crc_at)
+    engine.finish = timed("engine.finish (patches, fsync)", engine.finish)
+    engine.start_writeback = timed("start_writeback (sync_file_range)", engine.start_writeback)
     os.copy_file_range = timed("os.copy_file_range", os.copy_file_range)
     os.pwrite = timed("os.pwrite", os.pwrite)
     os.preadv = timed("os.preadv", os.preadv)
     os.fsync = timed("os.fsync", os.fsync)
-    staging.StagingDir.commit = timed("StagingDir.commit", staging.StagingDir.commit)
-    if hasattr(engine, "start_writeback"):  # newer engines start writeback per file
-        engine.start_writeback = timed("start_writeback (sync_file_range)", engine.start_writeback)
-    try:
-        from hpckpt.converters import torch_dcp
-        from hpckpt.core import paths
-        torch_dcp.resolve_inside = timed("resolve_inside (torch-dcp locator)", paths.resolve_inside)
-    except (ImportError, AttributeError):
-        pass
-    try:
-        from hpckpt.core import torch_save_writer
-        torch_save_writer.TorchSaveWriter.write_tensor = timed("TorchSaveWriter.write_tensor",
-                                                               torch_save_writer.TorchSaveWriter.write_tensor)
-    except (ImportError, AttributeError):
-        pass
+    commit.Staging.commit = timed("Staging.commit", commit.Staging.commit)
+    write.write_plan = timed("write_plan (writer, engine, commit)", write.write_plan)
+    pipeline.write_plan = write.write_plan
     imported = time.perf_counter() - started
 
     out = None

@@ -18,7 +18,13 @@ from hpckpt.converters.mindspore_ckpt import MindSporeCkptReader, MindSporeCkptW
 from hpckpt.converters.safetensors_file import SafetensorsFileReader, SafetensorsWriter
 from hpckpt.converters.torch_dcp import TorchDcpReader, TorchDcpWriter
 from hpckpt.converters.torch_save_file import TorchSaveFileWriter, TorchSaveReader
-from hpckpt.core.errors import CorruptMetadataError, NotACheckpointError, PathNotFoundError, UnknownFormatError
+from hpckpt.core.commit import staging_directory
+from hpckpt.core.errors import (
+    CorruptMetadataError,
+    NotACheckpointError,
+    PathNotFoundError,
+    UnknownFormatError,
+)
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.unpickle import SNIFF_BYTES, pickle_globals, sniff_head
 
@@ -83,6 +89,10 @@ def detect(path: Path) -> Format:
     """
     if not path.exists():
         raise PathNotFoundError(f"{path}: no such file or directory")
+    staging = staging_directory(path.absolute())
+    if staging is not None:
+        raise NotACheckpointError(f"{staging}: the staging directory of an hpckpt run that did not finish",
+                                  hint="the next run with the same destination removes it")
     for fmt in FORMATS:
         if fmt.reader is not None and fmt.reader.sniff(path):
             return fmt

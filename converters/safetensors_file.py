@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hpckpt.converters.base import WriterOptions
-from hpckpt.converters.data_files import DataFileLocator
+from hpckpt.converters.data_files import ZIP_MAGIC, DataFileLocator
 from hpckpt.core import safetensors_io
 from hpckpt.core.box import full_box
 from hpckpt.core.index import CheckpointIndex, Chunk, TensorEntry
@@ -66,13 +66,25 @@ def _single_file(path: Path) -> Path | None:
     return None
 
 
+def _is_zip(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == ZIP_MAGIC
+    except OSError:
+        return True  # unreadable: not ours to claim
+
+
 class SafetensorsFileReader:
     name = "safetensors"
     description = "one safetensors file (or a directory holding exactly one)"
 
     def sniff(self, path: Path) -> bool:
+        """A file that looks like safetensors, or one named `.safetensors` that is no zip (a
+        damaged one is still ours, so that its error says what is wrong with it)."""
         single = _single_file(path)
-        return single is not None and safetensors_io.is_safetensors(single)
+        if single is None:
+            return False
+        return safetensors_io.is_safetensors(single) or (single.suffix == ".safetensors" and not _is_zip(single))
 
     def read_index(self, path: Path) -> CheckpointIndex:
         single = _single_file(path)

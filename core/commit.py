@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -42,6 +43,18 @@ def refuse_existing(dest: Path, force: bool) -> None:
     """Every writing command leaves an existing destination alone unless told to replace it."""
     if dest.exists() and not force:
         raise DestinationExistsError(f"{dest} exists", hint="pass --force to replace it")
+
+
+_STAGING_NAME = re.compile(rf"^(?:\..+)?{re.escape(TMP_MARK)}(?:old-)?\d+$")
+
+
+def staging_directory(path: Path) -> Path | None:
+    """The hpckpt staging directory `path` is (or lies in), or None: what a run that did not
+    finish leaves behind must never be read as a checkpoint."""
+    for part in (path, *path.parents):
+        if _STAGING_NAME.match(part.name):
+            return part
+    return None
 
 
 def _alive(pid: int) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -19,6 +20,19 @@ from hpckpt.core.errors import CorruptDataError, GeometryError, MissingFileError
 from hpckpt.core.index import BufferLocation, CheckpointIndex, Location, TensorEntry
 
 DEFAULT_READ_BUDGET = 64 * 1024 * 1024
+
+
+def open_data_file(path: Path, what: str = "data file") -> BinaryIO:
+    """Open a checkpoint's file for reading: a missing or unreadable one is a MissingFileError,
+    a directory where the file should be a CorruptDataError (`what` names what was expected)."""
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        raise MissingFileError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise CorruptDataError(f"{path}: is a directory, not a {what}") from None
+    except OSError as exc:
+        raise MissingFileError(f"{path}: cannot be read ({exc.strerror})") from None
 
 
 class OpenFiles:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from hpckpt.core import dtypes
 from hpckpt.core.dtypes import DType
-from hpckpt.core.errors import CorruptDataError, MissingFileError, UnknownFormatError
+from hpckpt.core.errors import CorruptDataError, UnknownFormatError
+from hpckpt.core.read import open_data_file
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # what the safetensors library accepts
 
@@ -53,26 +54,19 @@ def read_header(path: Path, *, strict: bool = True) -> SafetensorsHeader:
         CorruptDataError: the header is truncated, too large, or not valid JSON (always), or
             any other structural problem (when `strict`).
     """
-    try:
-        with open(path, "rb") as f:
-            file_size = os.fstat(f.fileno()).st_size
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise CorruptDataError(f"{path}: truncated safetensors file ({file_size} bytes, no header)")
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > MAX_HEADER_BYTES:
-                raise CorruptDataError(f"{path}: safetensors header length {header_len} exceeds the 100 MiB limit")
-            if 8 + header_len > file_size:
-                raise CorruptDataError(
-                    f"{path}: safetensors header length {header_len} is larger than the file ({file_size} bytes): truncated?"
-                )
-            raw = f.read(header_len)
-    except FileNotFoundError:
-        raise MissingFileError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise CorruptDataError(f"{path}: is a directory, not a safetensors file") from None
-    except PermissionError as exc:
-        raise MissingFileError(f"{path}: cannot be read ({exc.strerror})") from None
+    with open_data_file(path, "safetensors file") as f:
+        file_size = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise CorruptDataError(f"{path}: truncated safetensors file ({file_size} bytes, no header)")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > MAX_HEADER_BYTES:
+            raise CorruptDataError(f"{path}: safetensors header length {header_len} exceeds the 100 MiB limit")
+        if 8 + header_len > file_size:
+            raise CorruptDataError(
+                f"{path}: safetensors header length {header_len} is larger than the file ({file_size} bytes): truncated?"
+            )
+        raw = f.read(header_len)
     try:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

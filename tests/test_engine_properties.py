@@ -21,6 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
+from strategies import meshes, placement, query_boxes, shapes, specs, tilings
 
 from hpckpt import api
 from hpckpt.converters import open_index
@@ -29,7 +30,7 @@ from hpckpt.core import dtypes
 from hpckpt.core.box import Box, one_per_start
 from hpckpt.core.tiles import contiguous_tiles
 from hpckpt.core.index import Chunk
-from hpckpt.core.layout import RULES, LayoutSpec, Mesh, Replicate, Shard, decompose_flat_interval
+from hpckpt.core.layout import LayoutSpec, Mesh, Shard
 from hpckpt.core.overlap import ChunkIndex, boxes_to_arrays
 
 
@@ -50,34 +51,6 @@ class ChunkFinder:
 PROFILE = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 DTYPES = ("float32", "bfloat16", "float16", "int64", "bool", "int8")
-
-
-# --------------------------------------------------------------------------------------------
-# strategies
-
-
-shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
-
-
-@st.composite
-def meshes(draw) -> Mesh:
-    """A 1-D or 2-D mesh of at most 6 ranks, global ranks in any order."""
-    if draw(st.booleans()):
-        dims = (draw(st.integers(1, 6)),)
-    else:
-        a = draw(st.integers(1, 3))
-        dims = (a, draw(st.integers(1, 6 // a)))
-    ranks = draw(st.permutations(range(math.prod(dims))))
-    return Mesh(dims, tuple(ranks))
-
-
-placement = st.one_of(st.just(Replicate()), st.builds(Shard, st.integers(0, 2), st.sampled_from(RULES)))
-
-
-@st.composite
-def specs(draw) -> tuple[Mesh, tuple]:
-    mesh = draw(meshes())
-    return mesh, tuple(draw(placement) for _ in mesh.shape)
 
 
 def random_array(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
@@ -223,47 +196,6 @@ def test_contiguous_tiles_examples():
 
 # --------------------------------------------------------------------------------------------
 # ChunkFinder.overlapping against brute force
-
-
-@st.composite
-def tilings(draw) -> tuple[tuple[int, ...], list[Box]]:
-    """A shape and a random guillotine tiling of it (recursive cuts, so sizes vary), plus
-    optionally replicas, empty boxes and RaggedShard-style flat-interval boxes."""
-    shape = tuple(draw(st.lists(st.integers(1, 9), min_size=1, max_size=3)))
-
-    def cut(box: Box, depth: int) -> list[Box]:
-        splittable = [d for d in range(box.ndim) if box.sizes[d] > 1]
-        if depth > 5 or not splittable or not draw(st.booleans()):
-            return [box]
-        d = draw(st.sampled_from(splittable))
-        at = draw(st.integers(1, box.sizes[d] - 1))
-        left = Box(box.offsets, box.sizes[:d] + (at,) + box.sizes[d + 1:])
-        right = Box(box.offsets[:d] + (box.offsets[d] + at,) + box.offsets[d + 1:],
-                    box.sizes[:d] + (box.sizes[d] - at,) + box.sizes[d + 1:])
-        return cut(left, depth + 1) + cut(right, depth + 1)
-
-    if draw(st.booleans()):
-        boxes = cut(Box((0,) * len(shape), shape), 0)
-    else:  # flat row-major intervals, as RaggedShard stores them
-        total = math.prod(shape)
-        points = sorted(set(draw(st.lists(st.integers(0, total), max_size=6))) | {0, total})
-        boxes = [b for lo, hi in zip(points, points[1:]) for b in decompose_flat_interval(shape, lo, hi)]
-    extras = draw(st.lists(st.sampled_from(boxes), max_size=3))  # identical replicas
-    if draw(st.booleans()):
-        d = draw(st.integers(0, len(shape) - 1))
-        extras.append(Box(tuple(draw(st.integers(0, s)) for s in shape), shape[:d] + (0,) + shape[d + 1:]))
-    order = draw(st.permutations(boxes + extras))
-    return shape, list(order)
-
-
-@st.composite
-def query_boxes(draw, shape):
-    offsets, sizes = [], []
-    for n in shape:
-        lo = draw(st.integers(0, n))
-        offsets.append(lo)
-        sizes.append(draw(st.integers(0, n - lo)))
-    return Box(tuple(offsets), tuple(sizes))
 
 
 def brute_force(chunks: list[Chunk], box: Box) -> Counter:

@@ -14,6 +14,7 @@ import pytest
 from _util import FIXTURES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import layouts_and_shapes
 
 from hpckpt.converters import open_index
 from hpckpt.core.box import Box
@@ -443,26 +444,6 @@ def test_world_size_spec_is_fsdp_style():
 
 
 # ---------------------------------------------------------------------------------- properties
-
-
-@st.composite
-def layouts_and_shapes(draw):
-    mesh_shape = draw(st.lists(st.integers(1, 4), min_size=1, max_size=3).filter(lambda s: math.prod(s) <= 8))
-    shape = tuple(draw(st.lists(st.integers(0, 7), max_size=3)))
-    mesh = Mesh(tuple(mesh_shape))
-    if shape and draw(st.integers(0, 4)) == 0:  # a ragged layout
-        k = draw(st.integers(0, mesh.ndim - 1))
-        units = draw(st.lists(st.integers(0, 3), min_size=mesh.shape[k], max_size=mesh.shape[k]).filter(any))
-        shape = (sum(units) * draw(st.integers(0, 2)),) + shape[1:]
-        prefix = draw(st.integers(1, len(shape)))
-        if math.prod(shape[:prefix]) % sum(units):
-            prefix = 1
-        placements = [Replicate()] * mesh.ndim
-        placements[k] = RaggedShard(tuple(range(prefix)), tuple(units))
-        return TensorLayout(mesh, tuple(placements)), shape
-    options = [Replicate()] + [Shard(d, r) for d in range(len(shape)) for r in ("balanced", "ceil")]
-    placements = tuple(draw(st.sampled_from(options)) for _ in mesh_shape)
-    return TensorLayout(mesh, placements), shape
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -14,6 +14,7 @@ from hpckpt.core.box import Box, full_box
 from hpckpt.core.dtypes import DType, all_dtypes
 from hpckpt.core.errors import CorruptDataError, MissingFileError, UnknownFormatError
 from hpckpt.core.layout import decompose_flat_interval
+from hpckpt.core.read import open_data_file
 from hpckpt.core.mindspore_ckpt.sniff import encryption_mode
 from hpckpt.core.mindspore_ckpt.wire import _Cursor, _RawValue, _walk
 
@@ -212,14 +213,7 @@ def _trailer(f: BinaryIO, size: int) -> tuple[int, int | None]:
 
 
 def _open(path: Path) -> BinaryIO:
-    try:
-        return open(path, "rb")
-    except FileNotFoundError:
-        raise MissingFileError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise CorruptDataError(f"{path}: is a directory, not a MindSpore .ckpt file") from None
-    except OSError as exc:
-        raise MissingFileError(f"{path}: cannot be read ({exc.strerror})") from None
+    return open_data_file(path, "MindSpore .ckpt file")
 
 
 def scan(path: Path | str) -> CkptScan:
