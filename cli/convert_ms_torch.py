@@ -28,6 +28,8 @@ def convert_ms_torch(
     to_format: Annotated[Optional[str], typer.Option("--to-format", help="Container: pt, ms, safetensors, hf, hp, torch-dcp (default: the source's kind).")] = None,
     name_rules: Annotated[Optional[Path], typer.Option("--name-rules", help="TOML rules (docs/name-rules.md); the preset applies after them.")] = None,
     no_preset: Annotated[bool, typer.Option("--no-preset", help="Keep names as they are (only --name-rules rename).")] = False,
+    # (the options both convert commands take are declared once, in cli/_options.py; typer reads
+    # each command's own signature, so their list stands here again, as in cli/convert.py)
     dtype: opt.DType = None,
     include: opt.RenamedInclude = None,
     exclude: opt.RenamedExclude = None,

@@ -32,7 +32,6 @@ def _index_path(path: Path) -> Path | None:
 
 class HfShardedReader:
     name = "hf-sharded"
-    description = "Hugging Face sharded safetensors (model.safetensors.index.json + shards)"
 
     def sniff(self, path: Path) -> bool:
         return _index_path(path) is not None

@@ -91,7 +91,6 @@ class MindSporeCkptReader:
     """`FormatAdapter` for a single MindSpore `.ckpt` file."""
 
     name = "mindspore-ckpt"
-    description = "one MindSpore .ckpt file (protobuf; split tensors, str values and CRC trailer read)"
 
     def sniff(self, path: Path) -> bool:
         path = Path(path)
@@ -127,6 +126,7 @@ class MindSporeCkptReader:
         notes = list(scan.notes)
         if scan.has_crc:
             notes.append("CRC-32 trailer present (checked by verify)")
+        # (a single-file index: the same fields as torch_save_file.py's, with this format's values)
         return CheckpointIndex(
             root=path.parent,
             format=self.name,
@@ -134,10 +134,8 @@ class MindSporeCkptReader:
             framework="mindspore",
             tensors=tensors,
             values=values,
-            metadata_files=[],
             data_files=[name],
             locator=MindSporeCkptLocator(path, scan.file_size),
-            world_size=None,
             notes=notes,
         )
 

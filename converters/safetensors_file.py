@@ -43,10 +43,8 @@ def index_safetensors_files(root: Path, files: list[str], fmt: str) -> Checkpoin
         framework=frameworks.pop() if len(frameworks) == 1 else None,
         tensors=dict(sorted(tensors.items())),
         values={},
-        metadata_files=[],
         data_files=sorted(files),
         locator=locator,
-        world_size=None,
     )
 
 
@@ -76,7 +74,6 @@ def _is_zip(path: Path) -> bool:
 
 class SafetensorsFileReader:
     name = "safetensors"
-    description = "one safetensors file (or a directory holding exactly one)"
 
     def sniff(self, path: Path) -> bool:
         """A file that looks like safetensors, or one named `.safetensors` that is no zip (a

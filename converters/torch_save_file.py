@@ -70,7 +70,6 @@ def _first_member_name(path: Path) -> bytes:
 
 class TorchSaveReader:
     name = "torch-save"
-    description = "a torch.save file (.pt, .pth, .bin; zip format)"
 
     def sniff(self, path: Path) -> bool:
         if not path.is_file():
@@ -102,6 +101,7 @@ class TorchSaveReader:
             for fqn, r in records.items()
         }
         locator = TorchSaveLocator(path, {fqn: r.location(path) for fqn, r in records.items()}, values)
+        # (a single-file index: the same fields as mindspore_ckpt.py's, with this format's values)
         return CheckpointIndex(
             root=path.parent,
             format=self.name,
@@ -109,10 +109,8 @@ class TorchSaveReader:
             framework="torch",
             tensors=tensors,
             values={fqn: ValueEntry(fqn, path.name, 0, os.stat(path).st_size, "inline") for fqn in values},
-            metadata_files=[],
             data_files=[path.name],
             locator=locator,
-            world_size=None,
         )
 
 

@@ -179,14 +179,14 @@ class CheckpointIndex:
     """Everything hpckpt knows about a checkpoint after reading its metadata only."""
 
     root: Path
-    format: str  # "hyperparallel", "hyperparallel-legacy", "torch-dcp", "safetensors", "hf-sharded"
+    format: str  # a format name of the registry (converters.FORMATS), or "memory"
     format_version: str
     framework: str | None  # "torch", "mindspore" or None when it cannot be told
     tensors: dict[str, TensorEntry]
     values: dict[str, ValueEntry]
-    metadata_files: list[str]
     data_files: list[str]  # relative paths of every file the metadata refers to, sorted
     locator: Locator
+    metadata_files: list[str] = field(default_factory=list)
     world_size: int | None = None  # inferred from file names: at least this many ranks saved
     planner_data: dict | None = None
     notes: list[str] = field(default_factory=list)

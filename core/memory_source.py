@@ -76,7 +76,6 @@ def memory_index(tensors: Mapping[str, MemoryTensor], values: Mapping[str, Any] 
         framework=framework,
         tensors=entries,
         values={fqn: ValueEntry(fqn, MEMORY, 0, 0, "inline") for fqn in values},
-        metadata_files=[],
         data_files=[],
         locator=MemoryLocator(dict(tensors), values),
         planner_data=dict(planner_data) if planner_data else None,

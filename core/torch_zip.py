@@ -254,6 +254,7 @@ def _device(*args: Any) -> str:
     return ":".join(str(a) for a in args)
 
 
+# (an allow-list table like core/unpickle.py's: these are the globals only torch.save records name)
 _RECORD_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,

@@ -66,11 +66,17 @@ def renamed_view(index: CheckpointIndex, renames: dict[str, str],
     origin: dict[str, str] = {}
     view_transposes: dict[str, tuple[int, ...]] = {}
     tensors: dict[str, TensorEntry] = {}
-    for fqn, entry in index.tensors.items():
-        new = renames.get(fqn, fqn)
-        if new is None:
-            continue
-        origin[new] = fqn
+
+    def kept(entries: dict):
+        """(new name, entry) of the entries not renamed to None, recording where each came from."""
+        for fqn, entry in entries.items():
+            new = renames.get(fqn, fqn)
+            if new is not None:
+                origin[new] = fqn
+                yield new, entry
+
+    for new, entry in kept(index.tensors):
+        fqn = origin[new]
         perm = transposes.get(fqn)
         if perm is not None and perm != tuple(range(len(entry.shape))):
             if sorted(perm) != list(range(len(entry.shape))):
@@ -81,13 +87,7 @@ def renamed_view(index: CheckpointIndex, renames: dict[str, str],
         tensors[new] = TensorEntry(new, entry.dtype, _permute(entry.shape, perm) if perm else entry.shape,
                                    dtype_spelling=entry.dtype_spelling, n_chunks=entry.n_chunks,
                                    build=lambda entry=entry, perm=perm: _chunks_seen_through(entry, perm))
-    values: dict[str, ValueEntry] = {}
-    for fqn, entry in index.values.items():
-        new = renames.get(fqn, fqn)
-        if new is None:
-            continue
-        origin[new] = fqn
-        values[new] = replace(entry, fqn=new)
+    values = {new: replace(entry, fqn=new) for new, entry in kept(index.values)}
     planner_data = None
     if index.planner_data:  # a renamed entry's nesting path no longer holds: it goes flat
         planner_data = {k: v for k, v in index.planner_data.items() if renames.get(k, k) == k}

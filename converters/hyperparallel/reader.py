@@ -63,7 +63,6 @@ def _read_pickle(root: Path, name: str) -> Metadata:
 
 class HyperParallelReader:
     name = "hyperparallel"
-    description = "HyperParallel DCP, current and legacy layouts"
 
     def sniff(self, path: Path) -> bool:
         if not path.is_dir():

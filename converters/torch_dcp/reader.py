@@ -118,7 +118,6 @@ class TorchDcpReader:
     """`FormatAdapter` for PyTorch DCP checkpoint directories."""
 
     name = "torch-dcp"
-    description = "PyTorch Distributed Checkpoint directory (.metadata + __{rank}_{i}.distcp)"
 
     def sniff(self, path: Path) -> bool:
         meta = Path(path) / METADATA
