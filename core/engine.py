@@ -25,7 +25,7 @@ import numpy as np
 from hpckpt.core.box import Box
 from hpckpt.core.cast import cast
 from hpckpt.core.durable import fsync_files, start_writeback
-from hpckpt.core.index import CheckpointIndex, Chunk, Location
+from hpckpt.core.index import BufferLocation, CheckpointIndex, Chunk, Location
 from hpckpt.core.output import Extent, FileLayout, Finished, OutputLayout, Placement
 from hpckpt.core.overlap import ChunkIndex, boxes_to_arrays, check_covered
 from hpckpt.core.read import OpenFiles, read_region
@@ -74,6 +74,12 @@ def _runs(extents: tuple[Extent, ...], start: int, nbytes: int) -> list[tuple[in
     return out
 
 
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    written = 0
+    while written < len(data):
+        written += os.pwrite(fd, data[written:], offset + written)
+
+
 def crc_of(fd: int, extents: tuple[Extent, ...] | list[Extent]) -> int:
     """CRC-32 of the bytes at `extents` of `fd`, in order, read back through one buffer."""
     total = sum(e.nbytes for e in extents)
@@ -114,9 +120,7 @@ class _BoxFiller:
                 continue
             data = self._gather(entry, tile, parts, tensor.source_dtype, tensor.dtype)
             for at, count, skip in _runs(placement.extents, start, len(data)):
-                written = 0
-                while written < count:
-                    written += os.pwrite(self.fd, data[skip + written:skip + count], at + written)
+                _pwrite_all(self.fd, data[skip:skip + count], at)
                 self._written(at, count)
 
     def _written(self, at: int, count: int) -> None:
@@ -143,20 +147,28 @@ class _BoxFiller:
         return memoryview(buffer.reshape(-1).view(np.uint8))
 
     def _direct(self, entry, parts, tile: Box, itemsize: int, placement: Placement, start: int) -> bool:
-        """Copy a tile in the kernel when each of its pieces is one contiguous byte run both in
-        its source chunk and in the tile (e.g. row shards of a whole tensor); else do nothing."""
+        """Write a tile without a tile buffer when each of its pieces is one contiguous byte run
+        both in its source and in the tile (e.g. row shards of a whole tensor): a kernel copy from
+        a file (`copy_file_range`), a `pwrite` straight from an array in memory; else do nothing."""
         runs = []
         for chunk, region in parts:
             loc = self.index.locate(chunk, entry)
             local, in_tile = region.relative_to(chunk.box), region.relative_to(tile)
-            if (not isinstance(loc, Location) or loc.strides is not None
-                    or not contiguous_in(local, chunk.box.sizes) or not contiguous_in(in_tile, tile.sizes)):
+            if not contiguous_in(local, chunk.box.sizes) or not contiguous_in(in_tile, tile.sizes):
                 return False
-            runs.append((loc.path, loc.offset + linear(local.offsets, chunk.box.sizes) * itemsize,
-                         start + linear(in_tile.offsets, tile.sizes) * itemsize, region.volume * itemsize))
-        for path, source_at, stream_at, count in runs:
+            if isinstance(loc, Location) and loc.strides is None:
+                source = (loc.path, loc.offset + linear(local.offsets, chunk.box.sizes) * itemsize)
+            elif isinstance(loc, BufferLocation) and loc.array.flags.c_contiguous:
+                source = (None, memoryview(loc.array[local.slices()] if local.ndim else loc.array).cast("B"))
+            else:
+                return False
+            runs.append((source, start + linear(in_tile.offsets, tile.sizes) * itemsize, region.volume * itemsize))
+        for (path, source_at), stream_at, count in runs:
             for at, length, skip in _runs(placement.extents, stream_at, count):
-                copy_range(self.files.fd(path), self.fd, length, source_at + skip, at)
+                if path is None:
+                    _pwrite_all(self.fd, source_at[skip:skip + length], at)
+                else:
+                    copy_range(self.files.fd(path), self.fd, length, source_at + skip, at)
                 self._written(at, length)
         return True
 
