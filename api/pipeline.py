@@ -63,10 +63,9 @@ def write(command: str, src: str | Path, dst: str | Path, source: CheckpointInde
                                                 source_framework=source.framework,
                                                 max_shard_bytes=target.max_shard_bytes, crc=target.crc))
     layouts = not target.format.whole_tensors
-    if dry_run:
-        layout = writer.layout(plan, {v.fqn: source.decode_value(v.fqn) for v in plan.values})
+    if dry_run:  # nothing is read but the metadata
         written = read = 0
-        files, skipped = len(layout.files), tuple(fqn for fqn, _ in layout.skipped)
+        files, skipped = len(writer.expected_files(plan)), ()
     else:
         result = write_plan(plan, source, writer, dst, settings, file_output=target.format.destination == "file",
                             fan_out=target.ranks is not None)

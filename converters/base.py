@@ -28,8 +28,9 @@ Writing (`FormatWriter`), one writer object per run, in this order:
 3. (pipeline) `finish(crcs)` returns a `core.output.Finished`: the bytes that depended on the
    data (zip descriptors and directories, a `.ckpt` CRC trailer) as patches, and the metadata
    files of the whole plan (every rank, also in a fan-out run), which the commit writes last.
-4. (pipeline) `expected_files(plan)` names every data file of the whole plan: what a fan-out
-   `finalize` waits for.
+Any time, `expected_files(plan)` names the data files the plan's producing ranks write, without
+reading a value or a byte of data: what `--plan` counts, and (with every rank producing) what a
+fan-out `finalize` waits for.
 
 To add a format: write a module in `converters/` with a reader and/or a writer class following
 these protocols and add its `Format` to `converters.FORMATS` (docs/architecture.md).

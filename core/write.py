@@ -8,7 +8,7 @@ writes a conversion from a checkpoint on disk and a save from arrays in memory.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hpckpt.core import engine
@@ -67,7 +67,8 @@ def write_plan(plan: Plan, source: CheckpointIndex, writer, dest: Path, settings
             done = engine.execute(layout, source, fragment.path, **options)
             finished = writer.finish(done.crcs)
             engine.finish(layout, finished, fragment.path, sync=settings.sync)
-            fragment.commit(plan.producing, finished.metadata, writer.expected_files(plan))
+            every_rank = replace(plan, producing=tuple(range(plan.world_size)))
+            fragment.commit(plan.producing, finished.metadata, writer.expected_files(every_rank))
     else:
         with Staging(Path(dest), force=settings.force, sync=settings.sync, file_output=file_output) as staging:
             done = engine.execute(layout, source, staging.path, **options)

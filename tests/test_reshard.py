@@ -606,3 +606,18 @@ def test_rank_files_without_metadata_are_not_a_checkpoint(ranks, tmp_path):
     shutil.copy(done / "_rank0_.bytes", partial)
     result = cli("verify", partial)
     assert result.exit_code == 4, (result.exit_code, result.stdout)
+
+
+@pytest.mark.parametrize("name", ["m0-torch-4rank", "m0-torch-4rank-rankLocal", "m0-torch-4rank-async"])
+def test_plan_reads_only_the_metadata(name, tmp_path):
+    """`--plan` works from the metadata alone: with every data file gone it prints the same plan
+    (what each target rank writes, reads and from how many files) as with them."""
+    whole = api.reshard(FIXTURES / name, tmp_path / "a", LayoutSpec.for_world_size(3), dry_run=True)
+    bare = tmp_path / "metadata-only"
+    bare.mkdir()
+    for p in (FIXTURES / name).iterdir():
+        if p.name.endswith("metadata"):
+            shutil.copy(p, bare)
+    plan = api.reshard(bare, tmp_path / "b", LayoutSpec.for_world_size(3), dry_run=True)
+    assert plan["plan"] == whole["plan"] and plan["plan"]["bytes_read"] > 0
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -94,7 +94,8 @@ class HyperParallelWriter:
         return OutputLayout(tuple(files))
 
     def expected_files(self, plan: Plan) -> list[str]:
-        return sorted([tensor_file(r) for r in plan.by_rank] + [values_file(r) for r in {v.rank for v in plan.values}])
+        tensors = [tensor_file(r) for r in plan.by_rank if r in plan.producing]
+        return sorted(tensors + [values_file(r) for r in {v.rank for v in plan.values} if r in plan.producing])
 
     def finish(self, crcs: Mapping[str, int]) -> Finished:
         return Finished(metadata=((METADATA_NAME, dumps_metadata(self.metadata())),))

@@ -69,7 +69,7 @@ class TorchDcpWriter:
         return OutputLayout(tuple(files))
 
     def expected_files(self, plan: Plan) -> list[str]:
-        return [distcp_name(rank) for rank in self._ranks(plan)]
+        return [distcp_name(rank) for rank in self._ranks(plan) if rank in plan.producing]
 
     def finish(self, crcs: Mapping[str, int]) -> Finished:
         plan = self._plan
