@@ -136,9 +136,9 @@ def profile_inspect(ckpt: Path, prof_path: Path, top: int, env: dict, title: str
     try:
         sys.argv = ["hpckpt", "inspect", str(ckpt), "--json"]
         with contextlib.redirect_stdout(sink):
-            from hpckpt.cli.app import main
+            from hpckpt.cli.app import run
 
-            main()
+            run()
     except SystemExit as exc:
         if exc.code not in (0, None):
             print(f"  (inspect exited with {exc.code})")

@@ -106,7 +106,7 @@ def main() -> int:
     t0 = time.perf_counter()
     profiler.enable()
     try:
-        app.main()
+        app.run()
     except SystemExit as exc:
         if exc.code not in (0, None):
             print(f"hpckpt exited with {exc.code}", file=sys.stderr)

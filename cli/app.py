@@ -7,6 +7,8 @@ the function body, so `hpckpt --help` and shell completion stay fast.
 from __future__ import annotations
 
 import gc
+import os
+import sys
 from typing import Optional
 
 import typer
@@ -67,9 +69,33 @@ def completion(shell: str = typer.Argument(..., help="bash, zsh or fish.")) -> N
     typer.echo(render.render(shell, typer.main.get_command(app)), nl=False)
 
 
-def main() -> None:
+def run() -> int:
+    """Run the command line in this process and return its exit code (benchmarks use this)."""
     # A short-lived process that may build millions of small objects (one per stored chunk) and
     # no reference cycles worth collecting: the cyclic collector only rescans them (measured:
     # 3 s of 5 when listing 640,000 chunks). Memory is still freed by reference counting.
     gc.disable()
-    app(prog_name="hpckpt")
+    try:
+        app(prog_name="hpckpt")
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        sys.stderr.write(f"{exc.code}\n")
+        return 1
+    return 0
+
+
+def main() -> None:
+    """The `hpckpt` console script: run, then leave without tearing the interpreter down.
+
+    Every output file is closed, synced and renamed by the time a command returns; freeing a
+    large index object by object and unloading modules would only add 0.07-0.14 s to every
+    command (measured on the 1.5 GiB benchmark), as much as a tenth of a whole reshard.
+    """
+    code = run()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass  # the reader went away (`| head`), or the stream was closed for that reason
+    os._exit(code)

@@ -32,6 +32,7 @@ from hpckpt.core.read import OpenFiles, read_region
 from hpckpt.core.tiles import contiguous_in, contiguous_tiles, linear
 
 DEFAULT_MAX_MEMORY = 64 * 1024 * 1024  # tiles this size already move at disk speed
+WRITEBACK_SPAN = 8 * 1024 * 1024  # writeback is started in aligned spans of this size (4-32 MiB measured alike)
 CRC_BLOCK_BYTES = 8 * 1024 * 1024
 Progress = Callable[[int], None]
 
@@ -106,6 +107,7 @@ class _BoxFiller:
         self.index, self.files, self.fd = index, files, fd
         self.budget, self.progress, self.writeback = budget, progress, writeback
         self._buffer: np.ndarray | None = None
+        self._flushed = 0  # writeback has been started for the file's bytes before this offset
 
     def fill(self, placement: Placement, pieces: Pieces) -> None:
         tensor, box = placement.tensor, placement.box.box
@@ -124,8 +126,19 @@ class _BoxFiller:
                 self._written(at, count)
 
     def _written(self, at: int, count: int) -> None:
+        """Count the bytes, and start writeback of every whole `WRITEBACK_SPAN` written so far.
+
+        One writeback request per copied range leaves the page shared with the next range to be
+        written on its own later, and a disk that limits requests then waits on thousands of
+        small ones (measured: 2,200-3,000 requests for what `cp` writes in 410; 0.72x `cp -r &&
+        sync` on a request-limited disk, 1.02-1.07x with aligned spans). Spans are only a hint,
+        so ranges written out of order stay correct; the rest is started when the file is done.
+        """
         if self.writeback:
-            start_writeback(self.fd, at, count)
+            end = (at + count) // WRITEBACK_SPAN * WRITEBACK_SPAN
+            if end > self._flushed:
+                start_writeback(self.fd, self._flushed, end - self._flushed)
+                self._flushed = end
         self.progress(count)
 
     def _scratch(self, nbytes: int) -> np.ndarray:
