@@ -65,13 +65,13 @@ def write(command: str, src: str | Path, dst: str | Path, source: CheckpointInde
     layouts = not target.format.whole_tensors
     if dry_run:  # nothing is read but the metadata
         written = read = 0
-        files, skipped = len(writer.expected_files(plan)), ()
+        files, skipped, ranks = len(writer.expected_files(plan)), (), tuple(rank_stats(plan, source))
     else:
         result = write_plan(plan, source, writer, dst, settings, file_output=target.format.destination == "file",
                             fan_out=target.ranks is not None)
-        written, read, files = result.bytes_written, result.bytes_read, result.files
+        written, read, files, ranks = result.bytes_written, result.bytes_read, result.files, result.ranks
         skipped = tuple(sorted({fqn for fqn, _ in result.skipped}))
-    summary = PlanSummary(plan.world_size, tuple(rank_stats(plan, source)), files) if layouts else None
+    summary = PlanSummary(plan.world_size, ranks, files) if layouts else None
     return WriteReport(
         command=command, source=str(src), destination=str(dst), source_format=source.format,
         format=target.format.name, bytes_written=written, bytes_read=read,

@@ -28,6 +28,7 @@ from hpckpt.core.durable import fsync_files, start_writeback
 from hpckpt.core.index import BufferLocation, CheckpointIndex, Chunk, Location
 from hpckpt.core.output import Extent, FileLayout, Finished, OutputLayout, Placement
 from hpckpt.core.overlap import ChunkIndex, boxes_to_arrays, check_covered
+from hpckpt.core.plan_stats import RankStats
 from hpckpt.core.read import OpenFiles, read_region
 from hpckpt.core.tiles import contiguous_in, contiguous_tiles, linear
 
@@ -242,10 +243,27 @@ def _crc_at(path: Path, extents: tuple[Extent, ...]) -> int:
 
 @dataclass(frozen=True)
 class Executed:
-    """The CRC-32s a layout asked for, by id, and the tensor bytes read from the source."""
+    """The CRC-32s a layout asked for, by id, and what each storing rank wrote and read."""
 
     crcs: dict[str, int]
-    bytes_read: int
+    ranks: tuple[RankStats, ...]
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(r.bytes_read for r in self.ranks)
+
+
+def _rank_stats(placements: list[Placement], pieces: dict[int, Pieces]) -> tuple[RankStats, ...]:
+    """The `--plan` figures of what was actually copied, from the pieces the copy used."""
+    written: dict[int, int] = {}
+    read: dict[int, int] = {}
+    files: dict[int, set[str]] = {}
+    for p in placements:
+        rank = p.box.rank
+        written[rank] = written.get(rank, 0) + p.nbytes
+        read[rank] = read.get(rank, 0) + sum(r.volume for _, r in pieces[id(p)]) * p.tensor.source_dtype.itemsize
+        files.setdefault(rank, set()).update(chunk.file for chunk, _ in pieces[id(p)])
+    return tuple(RankStats(r, written[r], read[r], len(files[r])) for r in sorted(written))
 
 
 def execute(layout: OutputLayout, index: CheckpointIndex, out_dir: Path, *, jobs: int | None = None,
@@ -265,7 +283,6 @@ def execute(layout: OutputLayout, index: CheckpointIndex, out_dir: Path, *, jobs
 
     placements = [p for f in layout.files for p in f.boxes]
     pieces = source_pieces(index, placements)
-    bytes_read = sum(region.volume * p.tensor.source_dtype.itemsize for p in placements for _, region in pieces[id(p)])
     budget = max(1, max_memory // jobs)
     crcs: list[tuple[str, Future]] = []
     with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="hpckpt-engine") as pool:
@@ -273,7 +290,7 @@ def execute(layout: OutputLayout, index: CheckpointIndex, out_dir: Path, *, jobs
                  for f in layout.files]
         for future in fills:
             future.result()
-        return Executed({name: future.result() for name, future in crcs}, bytes_read)
+        return Executed({name: future.result() for name, future in crcs}, _rank_stats(placements, pieces))
 
 
 def finish(layout: OutputLayout, finished: Finished, out_dir: Path, *, sync: bool = True) -> None:

@@ -15,6 +15,7 @@ from hpckpt.core import engine
 from hpckpt.core.commit import Fragment, Staging
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.plan import Plan
+from hpckpt.core.plan_stats import RankStats
 
 
 class Progress:
@@ -39,13 +40,20 @@ class WriteSettings:
 
 @dataclass(frozen=True)
 class Written:
-    """What a write produced: data files, tensor bytes written and read, and what the format
-    could not hold (`skipped`, `(fqn, reason)`)."""
+    """What a write produced: data files, what each storing rank wrote and read, and what the
+    format could not hold (`skipped`, `(fqn, reason)`)."""
 
     files: int
-    bytes_written: int
-    bytes_read: int
+    ranks: tuple[RankStats, ...]
     skipped: tuple[tuple[str, str], ...]
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(r.bytes_written for r in self.ranks)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(r.bytes_read for r in self.ranks)
 
 
 def write_plan(plan: Plan, source: CheckpointIndex, writer, dest: Path, settings: WriteSettings, *,
@@ -76,4 +84,4 @@ def write_plan(plan: Plan, source: CheckpointIndex, writer, dest: Path, settings
             engine.finish(layout, finished, staging.path, sync=settings.sync)
             staging.write_metadata(finished.metadata)
             staging.commit()
-    return Written(len(layout.files), layout.nbytes, done.bytes_read, layout.skipped)
+    return Written(len(layout.files), done.ranks, layout.skipped)

@@ -621,3 +621,14 @@ def test_plan_reads_only_the_metadata(name, tmp_path):
     plan = api.reshard(bare, tmp_path / "b", LayoutSpec.for_world_size(3), dry_run=True)
     assert plan["plan"] == whole["plan"] and plan["plan"]["bytes_read"] > 0
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("name", ["m0-torch-4rank-rankLocal", "m0-torch-4rank-async", "legacy-torch-4rank"])
+def test_a_run_reports_the_plan_it_predicted(name, tmp_path):
+    """`--plan` computes its figures from the metadata, a run from the pieces it copied: they agree,
+    rank by rank (bytes written, read, source files), replicas and casts included."""
+    spec = LayoutSpec(Mesh((2, 3)), parse_placements("R,S0"))
+    for dtype in (None, "bf16"):
+        predicted = api.reshard(FIXTURES / name, tmp_path / "p", spec, dtype=dtype, dry_run=True)
+        done = api.reshard(FIXTURES / name, tmp_path / f"out-{dtype}", spec, dtype=dtype)
+        assert done["plan"] == predicted["plan"] and done["bytes_read"] == predicted["plan"]["bytes_read"]
