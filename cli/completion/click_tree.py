@@ -58,9 +58,9 @@ def _click_value(ptype: Any) -> Value:
     if choices is not None:
         return _choice_value(choices)
     kinds = {cls.__name__ for cls in type(ptype).__mro__}
-    if "Path" in kinds:
+    if kinds & {"Path", "TyperPath"}:  # typer 0.28's own path type is no click Path
         return _path_value(ptype.file_okay, ptype.dir_okay)
-    if "File" in kinds:
+    if kinds & {"File", "TyperFile"}:
         return FILE_VALUE
     return NO_VALUE
 
