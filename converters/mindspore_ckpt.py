@@ -10,7 +10,6 @@ Zero-element tensors and other values cannot be held: they are reported as skipp
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from pathlib import Path

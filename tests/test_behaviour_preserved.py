@@ -18,7 +18,6 @@ import json
 import os
 from pathlib import Path
 
-import pytest
 from _util import FIXTURE_NAMES, FIXTURES
 from typer.testing import CliRunner
 
