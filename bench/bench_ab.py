@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("b", help="commit (or WORKTREE)")
     parser.add_argument("--repeat", type=int, default=6)
     parser.add_argument("--inputs", type=Path, default=HERE / "out" / "engine" / "ckpt")
+    parser.add_argument("--only", help="operations whose name contains this text")
     args = parser.parse_args(argv)
     if not (args.inputs / "hp" / ".metadata").is_file():
         parser.error(f"no inputs in {args.inputs}: run `python bench/bench_engine.py --generate-only` first")
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp)
         sides = {args.a: snapshot(args.a, tmp / "a"), args.b: snapshot(args.b, tmp / "b")}
         out = tmp / "out"
-        ops = operations(args.inputs, out)
+        ops = {k: v for k, v in operations(args.inputs, out).items() if not args.only or args.only in k}
         times: dict[tuple[str, str], list[float]] = {}
         print(f"load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
         for _ in range(args.repeat):
