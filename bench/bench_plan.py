@@ -1,7 +1,7 @@
 """Benchmark planning at scale: `hpckpt reshard --plan` from 256-1024 source ranks to 1024-4096 targets.
 
     python bench/bench_plan.py                      # the published table (docs/benchmarks.md)
-    python bench/bench_plan.py --ranks 256 --targets 1024 --repeat 1 --no-baseline   # quick look
+    python bench/bench_plan.py --cases 256x1000:1024 --repeat 1 --no-baseline      # a quick look
 
 Each source is a synthetic HyperParallel checkpoint made by `bench/make_synthetic_hp.py` (1,000
 tensors FSDP-split over every rank: 921,700 chunks at 1,024 ranks), kept under `bench/out/`. For
@@ -10,7 +10,8 @@ each (source, target) pair this measures, each in a fresh process, best of `--re
 - `hpckpt reshard SRC -o OUT --world-size N --plan --json`, start to exit, and its peak RSS
   (`ru_maxrss` of the child, from `os.wait4`);
 - the same command at the baseline commit (`--baseline`, default c1f8e00, the planner before
-  issue 8), checked out with `git worktree` under `bench/out/` and run from there, side by side;
+  issue 8), side by side; both sides are byte-compiled snapshots (`bench_ab.snapshot`), the
+  working tree and `git archive` of the baseline;
 - a phase breakdown inside one process: reading the metadata, planning, the per-rank read
   figures, and laying the plan out as HyperParallel files, with the peak RSS after each.
 
@@ -26,12 +27,16 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 OUT = HERE / "out"
+sys.path.insert(0, str(HERE))
+
+from bench_ab import snapshot  # noqa: E402  (byte-compiled snapshots of two commits)
 
 PROBE = r"""
 import gc, json, resource, sys, time
@@ -83,52 +88,44 @@ def source(ranks: int, tensors: int) -> Path:
     return path
 
 
-def baseline_tree(commit: str) -> Path:
-    """The baseline commit checked out beside, importable as `hpckpt` through a link."""
-    tree = OUT / f"baseline-{commit}"
-    if not tree.is_dir():
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), commit], check=True,
-                       capture_output=True)
-    link = OUT / f"baseline-{commit}-path"
-    link.mkdir(exist_ok=True)
-    if not (link / "hpckpt").exists():
-        (link / "hpckpt").symlink_to(tree)
-    return link
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[256, 512, 1024], help="source world sizes")
-    parser.add_argument("--targets", type=int, nargs="+", default=[1024, 4096], help="target world sizes")
-    parser.add_argument("--tensors", type=int, default=1000)
+    parser.add_argument("--cases", nargs="+", default=["256x1000:4096", "512x1000:4096", "1024x1000:1024",
+                                                         "1024x1000:4096", "1024x2000:4096"],
+                        help="RANKSxTENSORS:TARGET_RANKS, one per plan to measure")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--baseline", default="c1f8e00", help="commit to compare with (the planner before issue 8)")
     parser.add_argument("--no-baseline", action="store_true")
     args = parser.parse_args(argv)
     OUT.mkdir(exist_ok=True)
     hpckpt = [sys.executable, "-m", "hpckpt"]
-    env = dict(os.environ, HPCKPT_NO_CACHE="1")
+    trees = Path(tempfile.mkdtemp(prefix="hpckpt-plan-", dir=OUT))
+    env = dict(os.environ, HPCKPT_NO_CACHE="1", PYTHONPATH=str(snapshot("WORKTREE", trees / "ours")))
     base_env = None
     if not args.no_baseline:
-        base_env = dict(env, PYTHONPATH=str(baseline_tree(args.baseline)))
+        base_env = dict(env, PYTHONPATH=str(snapshot(args.baseline, trees / "baseline")))
     rows = []
     print(f"load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
-    for ranks in args.ranks:
-        src = source(ranks, args.tensors)
-        for target in args.targets:
-            dst = OUT / "plan-target"
-            shutil.rmtree(dst, ignore_errors=True)
-            cmd = [*hpckpt, "reshard", str(src), "-o", str(dst), "--world-size", str(target), "--plan", "--json"]
-            ours = min(run_child(cmd, env=env)[:2] for _ in range(args.repeat))
-            theirs = None
-            if base_env is not None:
-                theirs = min(run_child(cmd, env=base_env, cwd=OUT)[:2] for _ in range(max(1, args.repeat - 2)))
-            phases = min((json.loads(run_child([sys.executable, "-c", PROBE, str(src), str(target)], env=env)[2])
-                          for _ in range(args.repeat)), key=lambda p: p["plan"] + p["stats"] + p["layout"])
-            rows.append({"ranks": ranks, "target": target, "ours": ours, "baseline": theirs, "phases": phases})
-            print(json.dumps(rows[-1]), file=sys.stderr)
+    for case in args.cases:
+        shape, target = case.split(":")
+        ranks, tensors = (int(x) for x in shape.split("x"))
+        target = int(target)
+        src = source(ranks, tensors)
+        dst = OUT / "plan-target"
+        shutil.rmtree(dst, ignore_errors=True)
+        cmd = [*hpckpt, "reshard", str(src), "-o", str(dst), "--world-size", str(target), "--plan", "--json"]
+        ours = min(run_child(cmd, env=env)[:2] for _ in range(args.repeat))
+        theirs = None
+        if base_env is not None:  # once: it takes 10-50 s
+            theirs = run_child(cmd, env=base_env, cwd=OUT)[:2]
+        phases = min((json.loads(run_child([sys.executable, "-c", PROBE, str(src), str(target)], env=env)[2])
+                      for _ in range(args.repeat)), key=lambda p: p["plan"] + p["stats"] + p["layout"])
+        rows.append({"ranks": ranks, "tensors": tensors, "target": target, "ours": ours, "baseline": theirs,
+                     "phases": phases})
+        print(json.dumps(rows[-1]), file=sys.stderr)
     print(f"load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
-    print("| source ranks | chunks | target ranks | boxes | `reshard --plan` | peak RSS | baseline | baseline RSS | "
+    shutil.rmtree(trees)
+    print("| source ranks x tensors | chunks | target ranks | boxes | `reshard --plan` | peak RSS | baseline | baseline RSS | "
           "read metadata | plan | read figures | layout | planning s per M (chunks + boxes) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -137,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         per_million = planning / ((p["chunks"] + p["boxes"]) / 1e6)
         base = f"{r['baseline'][0]:.1f} s" if r["baseline"] else "-"
         base_rss = f"{r['baseline'][1]:.0f} MiB" if r["baseline"] else "-"
-        print(f"| {r['ranks']} | {p['chunks']:,} | {r['target']} | {p['boxes']:,} | {r['ours'][0]:.2f} s | "
+        print(f"| {r['ranks']} x {r['tensors']} | {p['chunks']:,} | {r['target']} | {p['boxes']:,} | {r['ours'][0]:.2f} s | "
               f"{r['ours'][1]:.0f} MiB | {base} | {base_rss} | {p['read']:.2f} s ({p['rss'][0]:.0f} MiB) | "
               f"{p['plan']:.2f} s | {p['stats']:.2f} s | {p['layout']:.2f} s ({p['rss'][3]:.0f} MiB) | {per_million:.2f} |")
     return 0

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from hpckpt.core.box import Box, one_per_start
+from hpckpt.core.box import Box
 from hpckpt.core.cast import CASTABLE
 from hpckpt.core.dtypes import DType
 from hpckpt.core.index import CheckpointIndex, TensorEntry
@@ -188,12 +188,13 @@ def plan_as_given(tensors: Mapping[str, tuple[DType, tuple[int, ...], list[tuple
     """A plan whose boxes are placed by the caller: `tensors[fqn] = (dtype, shape, [(rank, box)])`,
     as a running job holds them (each rank's own shards) or a test lays them out.
 
-    Each rank's boxes keep the order given; of the boxes of a tensor that start at the same
-    offsets, one is kept (`core.box.one_per_start`: they would share a metadata key).
+    Each rank's boxes keep the order given, empty ones included, as HyperParallel records them,
+    except an empty box that starts where a non-empty one does (it would share its metadata key).
     """
     planned = []
     for fqn, (dtype, shape, placed) in tensors.items():
-        kept = [placed[i] for i in one_per_start([box for _rank, box in placed])]
+        starts = {box.offsets for _rank, box in placed if not box.is_empty}
+        kept = [(rank, box) for rank, box in placed if not (box.is_empty and box.offsets in starts)]
         by_rank = sorted(range(len(kept)), key=lambda i: kept[i][0])  # stable: the given order within a rank
         boxes = tuple(PlannedBox(kept[i][1], kept[i][0], n) for n, i in enumerate(by_rank))
         planned.append(PlannedTensor(fqn, tuple(shape), dtype, dtype, boxes))
