@@ -77,6 +77,27 @@ def venv_bin(name: str) -> str:
 
 
 SNAPSHOT: Path | None = None  # directory holding a `hpckpt` package snapshot (see take_snapshot)
+THROTTLE: Path | None = None  # a blkio cgroup every measured process joins (see throttle_writes)
+
+
+def throttle_writes(spec: str, target: Path) -> Path:
+    """A blkio cgroup (v1) that limits writes to the disk holding `target` to `spec` =
+    "BYTES_PER_S:IOPS": a disk that limits requests, like the one the durable-write figures of
+    issue 8 were measured on. Writeback a process starts itself (sync_file_range, fsync) is
+    submitted in its context, so it is throttled too; the kernel's background flusher is not."""
+    bps, iops = spec.split(":")
+    dev = os.stat(target).st_dev
+    device = f"{os.major(dev)}:{os.minor(dev)}"
+    group = Path("/sys/fs/cgroup/blkio/hpckpt-bench")
+    group.mkdir(exist_ok=True)
+    (group / "blkio.throttle.write_bps_device").write_text(f"{device} {int(float(bps))}\n")
+    (group / "blkio.throttle.write_iops_device").write_text(f"{device} {int(iops)}\n")
+    return group
+
+
+def _join_throttle() -> None:
+    if THROTTLE is not None:
+        (THROTTLE / "cgroup.procs").write_text(str(os.getpid()))
 
 
 def child_env() -> dict:
@@ -136,7 +157,8 @@ def measure(cmd: list[str], log: Path) -> Sample:
     timed = ["/usr/bin/time", "-f", "%M", "-o", str(rss_file), *cmd] if Path("/usr/bin/time").is_file() else cmd
     with open(log, "wb") as err, open(log.with_suffix(".out"), "wb") as out:
         started = time.perf_counter()
-        proc = subprocess.Popen(timed, stdout=out, stderr=err, env=child_env(), cwd=str(ROOT))
+        proc = subprocess.Popen(timed, stdout=out, stderr=err, env=child_env(), cwd=str(ROOT),
+                                preexec_fn=_join_throttle if THROTTLE is not None else None)
         root = psutil.Process(proc.pid)
         members: list[psutil.Process] = [root]
         tree_peak = single_peak = 0
@@ -1037,6 +1059,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-doc", action="store_true")
     parser.add_argument("--doc-only", action="store_true", help="rewrite the doc from OUT/results.json")
     parser.add_argument("--notes", type=Path, help="Markdown appended to the doc under 'Notes'")
+    parser.add_argument("--throttle", metavar="BYTES_PER_S:IOPS",
+                        help="run every measured command in a blkio cgroup limiting its disk writes (root; "
+                             "e.g. 650e6:1000); implies --no-doc; raw numbers go to OUT/results-throttled.json")
     parser.add_argument("--check", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
     parser.add_argument("--check-skip", action="append", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1067,6 +1092,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.generate_only:
         print(json.dumps(info["checks"]))
         return 0
+    if args.throttle:
+        global THROTTLE
+        THROTTLE = throttle_writes(args.throttle, work)
+        args.no_doc = True
+        results_path = work / "results-throttled.json"
+        print(f"writes throttled to {args.throttle} (bytes/s:IOPS) in {THROTTLE}", flush=True)
     ops = operations(args.size_gib, work / "scratch", not args.no_torch_save)
     if args.only:
         wanted = set(args.only.split(","))
@@ -1099,8 +1130,11 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "rss_probe": probe,
         "notes": args.notes.read_text() if args.notes else "",
+        "throttle": args.throttle,
     }
     results_path.write_text(json.dumps(data, indent=1))
+    if THROTTLE is not None:
+        THROTTLE.rmdir()  # every measured process has ended, so the group is empty
     print()
     print(markdown_table(rows))
     print()

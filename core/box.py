@@ -72,17 +72,3 @@ class Box:
 def full_box(shape: tuple[int, ...]) -> Box:
     return Box((0,) * len(shape), tuple(shape))
 
-
-def one_per_start(boxes: list[Box]) -> list[int]:
-    """Indices of the boxes to record when several start at the same offsets.
-
-    HyperParallel keys a stored chunk by its tensor and offsets, so two chunks of a tensor may not
-    start at the same place. Only empty boxes ever do (the parts an uneven split leaves): such a
-    box holds nothing, so the non-empty box at that start is kept, else the first empty one.
-    """
-    chosen: dict[tuple[int, ...], int] = {}
-    for i, box in enumerate(boxes):
-        j = chosen.get(box.offsets)
-        if j is None or (boxes[j].is_empty and not box.is_empty):
-            chosen[box.offsets] = i
-    return sorted(chosen.values())

@@ -58,6 +58,7 @@ def staging_directory(path: Path) -> Path | None:
 
 
 def _alive(pid: int) -> bool:
+    """True when a process `pid` exists (its staging directory may be in use)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -78,7 +79,8 @@ def remove_stale_staging(dest: Path) -> None:
     for name in names:
         tail = name[len(prefix):] if name.startswith(prefix) else None
         pid = tail.removeprefix("old-") if tail is not None else ""
-        if pid.isdigit() and not _alive(int(pid)):
+        # ours is stale too: this run has not made its own yet (the pid of a killed run, reused)
+        if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
             stale = dest.parent / name
             shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
 

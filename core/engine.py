@@ -302,7 +302,7 @@ def execute(layout: OutputLayout, index: CheckpointIndex, out_dir: Path, *, jobs
 
     placements = [p for f in layout.files for p in f.boxes]
     pieces = source_pieces(index, placements)
-    budget = max(1, max_memory // jobs)
+    budget = max(1, max_memory // max(1, min(jobs, len(layout.files))))  # per file being filled at once
     crcs: list[tuple[str, Future]] = []
     with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="hpckpt-engine") as pool:
         fills = [pool.submit(_fill_file, out_dir / f.name, f, index, pieces, budget, report, sync, pool, crcs)

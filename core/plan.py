@@ -25,6 +25,7 @@ from hpckpt.core.box import Box
 from hpckpt.core.cast import CASTABLE
 from hpckpt.core.dtypes import DType
 from hpckpt.core.index import CheckpointIndex, TensorEntry
+from hpckpt.core.layout import Mesh, Replicate, TensorLayout
 from hpckpt.core.rank_boxes import RankBoxes, rank_boxes
 
 
@@ -169,9 +170,7 @@ def make_plan(index: CheckpointIndex, layouts: TargetLayouts, world_size: int, *
 class _Whole:
     """Every tensor whole on one rank: what consolidation writes."""
 
-    def resolve(self, fqn: str, shape: tuple[int, ...]):
-        from hpckpt.core.layout import Mesh, Replicate, TensorLayout
-
+    def resolve(self, fqn: str, shape: tuple[int, ...]) -> TensorLayout:
         return TensorLayout(Mesh((1,)), (Replicate(),))
 
 
@@ -179,7 +178,6 @@ def whole_tensor_plan(index: CheckpointIndex, *, names: Iterable[str] | None = N
                       cast_to: DType | None = None, casts: Mapping[str, DType] | None = None) -> Plan:
     """One rank holding every selected tensor whole, in the index's order."""
     return make_plan(index, _Whole(), 1, names=names, cast_to=cast_to, casts=casts)
-
 
 
 def plan_as_given(tensors: Mapping[str, tuple[DType, tuple[int, ...], list[tuple[int, Box]]]], world_size: int, *,

@@ -81,8 +81,8 @@ def _listed(layout: TensorLayout, shape: tuple[int, ...]) -> tuple[np.ndarray, n
 def rank_boxes(layout: TensorLayout, shape: tuple[int, ...]) -> RankBoxes:
     """The distinct boxes every rank of `layout` holds of a tensor of global `shape`.
 
-    Of the boxes that start at the same offsets (only empty ones do), one is kept, as
-    `core.box.one_per_start` says: they would share a metadata key (fqn + offsets).
+    Of the boxes that start at the same offsets (only empty ones do), one is kept: they would share
+    a metadata key (fqn + offsets); see `_one_per_start`.
 
     Raises:
         GeometryError: the layout cannot apply to `shape`, or gives a box outside the tensor.
@@ -125,8 +125,11 @@ def rank_boxes(layout: TensorLayout, shape: tuple[int, ...]) -> RankBoxes:
 
 
 def _one_per_start(offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray | None:
-    """`core.box.one_per_start` on arrays (None: nothing to leave out): of the boxes that start at
-    the same offsets, the non-empty one, else the first."""
+    """The boxes to record when several start at the same offsets (None: all of them).
+
+    HyperParallel keys a stored chunk by its tensor and offsets, so two chunks of a tensor may not
+    start at the same place. Only empty boxes ever do (the parts an uneven split leaves): such a
+    box holds nothing, so the non-empty box at that start is kept, else the first empty one."""
     empty = np.any(sizes == 0, axis=1)
     if not empty.any():
         return None
