@@ -15,12 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpckpt.api.reports import PlanSummary, WriteReport
+from hpckpt.core.accounting import check_plan
 from hpckpt.converters.base import Format, WriterOptions
 from hpckpt.core import dtypes
 from hpckpt.core.dtypes import DType
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.layout import LayoutSpec
-from hpckpt.core.plan import Plan, make_plan, whole_tensor_plan
+from hpckpt.core.errors import UnsupportedDTypeError
+from hpckpt.core.plan import Plan, make_plan, out_dtype, whole_tensor_plan
 from hpckpt.core.plan_stats import rank_stats
 from hpckpt.core.write import WriteSettings, write_plan
 
@@ -30,7 +32,9 @@ class Target:
     """What to write: a format and, for the formats that store any layout, the target `layout`
     (`None`: one rank, every tensor whole); `ranks` writes only those target ranks (fan-out);
     `dtype` casts floating tensors, `casts` single ones (fqn -> dtype); `framework` spells dtypes
-    and file flavours as torch or MindSpore does."""
+    and file flavours as torch or MindSpore does. A tensor whose dtype the format cannot hold
+    fails the run before anything is written, or with `skip_unsupported` is left out and
+    reported."""
 
     format: Format
     layout: LayoutSpec | None = None
@@ -40,6 +44,7 @@ class Target:
     casts: Mapping[str, DType] | None = None
     max_shard_bytes: int = 5 * 10**9
     crc: bool = False
+    skip_unsupported: bool = False
 
 
 def make_target_plan(source: CheckpointIndex, target: Target, names: Iterable[str] | None = None) -> Plan:
@@ -52,29 +57,70 @@ def make_target_plan(source: CheckpointIndex, target: Target, names: Iterable[st
                      casts=target.casts)
 
 
+def unsupported(source: CheckpointIndex, target: Target, names: Iterable[str] | None) -> list[tuple[str, str]]:
+    """`(fqn, reason)` of every selected tensor whose dtype, as it would be written, the target
+    format cannot hold."""
+    cast_to = dtypes.dtype(target.dtype) if target.dtype else None
+    casts = target.casts or {}
+    wanted = None if names is None else set(names)
+    out = []
+    for fqn, entry in source.tensors.items():
+        if wanted is None or fqn in wanted:
+            reason = dtypes.unsupported_reason(out_dtype(entry.dtype, casts.get(fqn, cast_to)), target.format.name)
+            if reason:
+                out.append((fqn, reason))
+    return out
+
+
+def _refuse_or_skip(source: CheckpointIndex, target: Target, names: Iterable[str] | None):
+    """The names to plan and the tensors left out for their dtype; raises when not asked to skip.
+
+    Raises:
+        UnsupportedDTypeError: a selected tensor's dtype cannot be held and `skip_unsupported` is off.
+    """
+    refused = unsupported(source, target, names)
+    if not refused:
+        return names, ()
+    if not target.skip_unsupported:
+        shown = ", ".join(f"{fqn!r} ({source.tensors[fqn].dtype})" for fqn, _ in refused[:5])
+        more = f" and {len(refused) - 5} more" if len(refused) > 5 else ""
+        raise UnsupportedDTypeError(f"{target.format.name} cannot hold {len(refused)} tensor(s): {shown}{more}: "
+                                    f"{refused[0][1]}", hint="--skip-unsupported leaves them out (and lists them); "
+                                    "--exclude or --dtype are the other ways")
+    left_out = {fqn for fqn, _ in refused}
+    everything = [*source.tensors, *source.values] if names is None else list(names)
+    return [n for n in everything if n not in left_out], tuple(refused)
+
+
 def write(command: str, src: str | Path, dst: str | Path, source: CheckpointIndex, target: Target,
           settings: WriteSettings, *, names: Iterable[str] | None = None, dry_run: bool = False,
           started: float | None = None, extra: Mapping | None = None) -> WriteReport:
     """Plan, lay out, copy and commit `source` at `dst` as `target` says; report what was done."""
     started = time.perf_counter() if started is None else started
     dst = Path(dst)
+    names, refused = _refuse_or_skip(source, target, names)
     plan = make_target_plan(source, target, names)
+    wanted = None if names is None else set(names)
+    check_plan(plan, (f for f in source.tensors if wanted is None or f in wanted),
+               (f for f in source.values if wanted is None or f in wanted))
     writer = target.format.writer(WriterOptions(name=dst.name, framework=target.framework,
                                                 source_framework=source.framework,
-                                                max_shard_bytes=target.max_shard_bytes, crc=target.crc))
+                                                max_shard_bytes=target.max_shard_bytes, crc=target.crc,
+                                                user_metadata=tuple(source.user_metadata.items())))
     layouts = not target.format.whole_tensors
     if dry_run:  # nothing is read but the metadata
         written = read = 0
-        files, skipped, ranks = len(writer.expected_files(plan)), (), tuple(rank_stats(plan, source))
+        files, skipped, converted = len(writer.expected_files(plan)), tuple(refused), ()
+        ranks = tuple(rank_stats(plan, source))
     else:
         result = write_plan(plan, source, writer, dst, settings, file_output=target.format.destination == "file",
-                            fan_out=target.ranks is not None)
+                            fan_out=target.ranks is not None, read_back=target.format.reader.read_index)
         written, read, files, ranks = result.bytes_written, result.bytes_read, result.files, result.ranks
-        skipped = tuple(sorted({fqn for fqn, _ in result.skipped}))
+        skipped, converted = tuple(sorted({*refused, *result.skipped})), tuple(sorted(set(result.converted)))
     summary = PlanSummary(plan.world_size, ranks, files) if layouts else None
     return WriteReport(
         command=command, source=str(src), destination=str(dst), source_format=source.format,
         format=target.format.name, bytes_written=written, bytes_read=read,
         seconds=time.perf_counter() - started, files=files, dry_run=dry_run, plan=summary,
         finalized=(target.ranks is None) if layouts and not dry_run else None, skipped=skipped,
-        **(dict(extra) if extra else {}))
+        converted=converted, warnings=tuple(source.warnings), **(dict(extra) if extra else {}))

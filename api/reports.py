@@ -14,7 +14,7 @@ from hpckpt import __version__
 from hpckpt.core.plan_stats import RankStats
 from hpckpt.core.validate import Finding, exit_code
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: `skipped` and `converted` of a write report name the reason of each entry
 
 
 class Report:
@@ -64,8 +64,9 @@ class PlanSummary:
 class WriteReport(Report):
     """What a writing command (reshard, consolidate, convert, convert-ms-torch) did.
 
-    `skipped` names the entries the target format cannot hold (they were reported, not lost
-    silently); `plan` is there for layout formats (HyperParallel, PyTorch DCP).
+    `skipped` are the source entries not written and `converted` those written in another kind,
+    each `(name, reason)` (reported, never lost silently); `plan` is there for layout formats
+    (HyperParallel, PyTorch DCP).
     """
 
     command: str
@@ -80,7 +81,9 @@ class WriteReport(Report):
     dry_run: bool = False
     plan: PlanSummary | None = None
     finalized: bool | None = None
-    skipped: tuple[str, ...] = ()
+    skipped: tuple[tuple[str, str], ...] = ()
+    converted: tuple[tuple[str, str], ...] = ()
+    warnings: tuple[str, ...] = ()  # what the source's reader warns of (a piece read as a tensor, ...)
     names: dict | None = None
     would_write: dict | None = None
 
@@ -100,7 +103,9 @@ class WriteReport(Report):
             "gb_per_s": round(written / seconds / 1e9, 3) if seconds > 0 else None,
             "files": self.files,
             "dry_run": self.dry_run,
-            "skipped": list(self.skipped),
+            "skipped": [{"name": name, "reason": reason} for name, reason in self.skipped],
+            "converted": [{"name": name, "reason": reason} for name, reason in self.converted],
+            "warnings": list(self.warnings),
         }
         if self.plan is not None:
             doc["plan"] = self.plan.to_json()
@@ -138,6 +143,7 @@ class InspectReport(Report):
     tensors: tuple[dict, ...]
     values: tuple[dict, ...]
     shards: tuple[dict, ...] | None = None
+    notes: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         doc = {
@@ -152,6 +158,7 @@ class InspectReport(Report):
             "counts": self.counts,
             "tensors": list(self.tensors),
             "values": list(self.values),
+            "notes": list(self.notes),
         }
         if self.shards is not None:
             doc["shards"] = list(self.shards)

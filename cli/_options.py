@@ -25,6 +25,8 @@ MaxShardSize = Annotated[str, typer.Option(
 NoFsync = Annotated[bool, typer.Option("--no-fsync", help="Skip fsync: faster; still safe if killed, not on power loss.")]
 Force = Annotated[bool, typer.Option("--force", help="Replace an existing destination.")]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON document.")]
+SkipUnsupported = Annotated[bool, typer.Option(
+    "--skip-unsupported", help="Leave out (and list) tensors of a dtype the target format cannot hold, instead of failing.")]
 
 WorldSize = Annotated[Optional[int], typer.Option(
     "--world-size", "-w", min=1, help="FSDP-style target: dim 0 split over N ranks.")]

@@ -18,11 +18,25 @@ def warn(message: str) -> None:
     sys.stderr.flush()
 
 
+def printable(name: str) -> str:
+    """A name from a checkpoint, safe on a terminal: control and other unprintable characters
+    escaped (`\\x1b`, `\\u202e`), so a hostile name cannot rewrite the line it is printed on."""
+    if name.isprintable():
+        return name
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in name)
+
+
 def warn_skipped(report) -> None:
-    """What the target format cannot hold must not go unnoticed."""
-    skipped = report.get("skipped") or []
-    if skipped:
-        warn(f"not written (the {report['format']} format cannot hold them): {', '.join(skipped)}")
+    """What was not written, or written in another kind, must not go unnoticed: a line per reason,
+    naming every entry it applies to."""
+    for key, what in (("skipped", "not written"), ("converted", "converted")):
+        by_reason: dict[str, list[str]] = {}
+        for entry in report.get(key) or []:
+            by_reason.setdefault(entry["reason"], []).append(printable(entry["name"]))
+        for reason, names in by_reason.items():
+            warn(f"{what} ({reason}): {', '.join(names)}")
+    for note in report.get("warnings") or []:  # e.g. a source file that holds pieces of larger tensors
+        warn(f"source: {printable(note)}")
 
 
 def stdout_console():

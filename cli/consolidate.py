@@ -32,6 +32,7 @@ def consolidate(
     max_memory: opt.MaxMemory = "64MiB",
     no_fsync: opt.NoFsync = False,
     force: opt.Force = False,
+    skip_unsupported: opt.SkipUnsupported = False,
     json_output: opt.Json = False,
 ) -> None:
     """Merge a sharded checkpoint into whole tensors for release or inference."""
@@ -53,7 +54,7 @@ def consolidate(
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
         report = api.consolidate(src, out, target.name, select=_targets.selection(include, exclude), dtype=dtype,
-                                 max_shard_size=max_shard_size, settings=settings)
+                                 max_shard_size=max_shard_size, settings=settings, skip_unsupported=skip_unsupported)
     warn_skipped(report)
     if json_output:
         emit_json(report.to_json())

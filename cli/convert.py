@@ -40,7 +40,7 @@ def name_rules(rules_file: Optional[Path], preset: Optional[str], direction: Opt
 
 
 def run(src, out, to, *, layout, framework, dtype, include, exclude, rules, max_shard_size, crc, jobs,
-        max_memory, no_fsync, force, dry_run, json_output, command, index=None) -> None:
+        max_memory, no_fsync, force, dry_run, json_output, command, index=None, skip_unsupported=False) -> None:
     """Run `api.convert` with the options both convert commands share, and render its report."""
     from hpckpt import api
     from hpckpt.cli import _targets
@@ -54,7 +54,8 @@ def run(src, out, to, *, layout, framework, dtype, include, exclude, rules, max_
             raise typer.BadParameter(str(exc)) from None
         report = api.convert(src, out, to, layout=layout, framework=framework, dtype=dtype,
                              select=_targets.selection(include, exclude), rules=rules, max_shard_size=max_shard_size,
-                             crc=crc, settings=settings, dry_run=dry_run, command=command, index=index)
+                             crc=crc, settings=settings, dry_run=dry_run, command=command, index=index,
+                             skip_unsupported=skip_unsupported)
     warn_skipped(report)
     if json_output:
         emit_json(report.to_json())
@@ -96,6 +97,7 @@ def convert(
     max_memory: opt.MaxMemory = "64MiB",
     no_fsync: opt.NoFsync = False,
     force: opt.Force = False,
+    skip_unsupported: opt.SkipUnsupported = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be written (and the name table); write nothing.")] = False,
     json_output: opt.Json = False,
 ) -> None:
@@ -124,4 +126,4 @@ def convert(
         rules = name_rules(Path(names), None, None) if is_file else name_rules(None, names, None)
     run(src, out, fmt.name, layout=layout, framework=framework, dtype=dtype, include=include, exclude=exclude,
         rules=rules, max_shard_size=max_shard_size, crc=crc, jobs=jobs, max_memory=max_memory, no_fsync=no_fsync,
-        force=force, dry_run=dry_run, json_output=json_output, command="convert")
+        force=force, dry_run=dry_run, json_output=json_output, command="convert", skip_unsupported=skip_unsupported)

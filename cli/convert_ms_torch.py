@@ -37,6 +37,7 @@ def convert_ms_torch(
     max_memory: opt.MaxMemory = "64MiB",
     no_fsync: opt.NoFsync = False,
     force: opt.Force = False,
+    skip_unsupported: opt.SkipUnsupported = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the source -> destination name table; write nothing.")] = False,
     json_output: opt.Json = False,
 ) -> None:
@@ -58,4 +59,5 @@ def convert_ms_torch(
     rules = rules_from(name_rules, "none" if no_preset else None, direction)
     run(src, out, target["format"], layout=None, framework=target["to"], dtype=dtype, include=include, exclude=exclude,
         rules=rules, max_shard_size="5GB", crc=crc, jobs=None, max_memory=max_memory, no_fsync=no_fsync,
-        force=force, dry_run=dry_run, json_output=json_output, command="convert-ms-torch", index=index)
+        force=force, dry_run=dry_run, json_output=json_output, command="convert-ms-torch", index=index,
+        skip_unsupported=skip_unsupported)

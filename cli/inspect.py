@@ -41,8 +41,9 @@ def inspect(
 
 def render(doc: dict) -> None:
     from rich.table import Table
+    from rich.text import Text
 
-    from hpckpt.cli._output import human_bytes, stdout_console, write_table
+    from hpckpt.cli._output import human_bytes, printable, stdout_console, write_table
 
     console = stdout_console()
     counts = doc["counts"]
@@ -57,6 +58,8 @@ def render(doc: dict) -> None:
     summary.add_row("Files", f"{len(doc['files'])} ({n_meta} metadata, {len(doc['files']) - n_meta} data), {human_bytes(doc['total_bytes'])}")
     summary.add_row("Tensors", f"{counts['tensors']} in {counts['chunks']} chunks, {human_bytes(counts['tensor_bytes'])}")
     summary.add_row("Values", str(counts["values"]))
+    for note in doc.get("notes", []):  # plain text: a note quotes names from the checkpoint
+        summary.add_row("Note", Text(printable(note)))
     console.print(summary)
     console.file.flush()
 

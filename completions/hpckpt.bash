@@ -16,9 +16,9 @@ _hpckpt_options() {
         'hpckpt inspect') _hpckpt_words=(--include -i --exclude -x --shards -s --no-values --json --help -h) ;;
         'hpckpt verify') _hpckpt_words=(--strict --json --help -h) ;;
         'hpckpt reshard') _hpckpt_words=(--output -o --world-size -w --split --mesh --placements --layout-rules --layout-file --keep-layout --rank -r --finalize --include -i --exclude -x --dtype --framework --jobs -j --max-memory --no-fsync --force --dry-run --plan --json --help -h) ;;
-        'hpckpt consolidate') _hpckpt_words=(--output -o --format -f --include -i --exclude -x --dtype --max-shard-size --jobs -j --max-memory --no-fsync --force --json --help -h) ;;
-        'hpckpt convert') _hpckpt_words=(--output -o --to -t --world-size -w --split --mesh --placements --layout-rules --layout-file --framework --names --dtype --include -i --exclude -x --max-shard-size --crc --jobs -j --max-memory --no-fsync --force --dry-run --json --help -h) ;;
-        'hpckpt convert-ms-torch') _hpckpt_words=(--output -o --to --to-format --name-rules --no-preset --dtype --include -i --exclude -x --crc --max-memory --no-fsync --force --dry-run --json --help -h) ;;
+        'hpckpt consolidate') _hpckpt_words=(--output -o --format -f --include -i --exclude -x --dtype --max-shard-size --jobs -j --max-memory --no-fsync --force --skip-unsupported --json --help -h) ;;
+        'hpckpt convert') _hpckpt_words=(--output -o --to -t --world-size -w --split --mesh --placements --layout-rules --layout-file --framework --names --dtype --include -i --exclude -x --max-shard-size --crc --jobs -j --max-memory --no-fsync --force --skip-unsupported --dry-run --json --help -h) ;;
+        'hpckpt convert-ms-torch') _hpckpt_words=(--output -o --to --to-format --name-rules --no-preset --dtype --include -i --exclude -x --crc --max-memory --no-fsync --force --skip-unsupported --dry-run --json --help -h) ;;
         'hpckpt env') _hpckpt_words=(--json --help -h) ;;
         'hpckpt completion') _hpckpt_words=(--help -h) ;;
         *) _hpckpt_words=() ;;

@@ -12,11 +12,13 @@ from pathlib import Path
 
 from hpckpt.converters.base import Format
 from hpckpt.converters.hf_sharded import HfShardedReader, HfShardedWriter
+from hpckpt.converters.hf_torch_bin import HfTorchBinReader
 from hpckpt.converters.hyperparallel.reader import HyperParallelReader
 from hpckpt.converters.hyperparallel.writer import HyperParallelWriter
 from hpckpt.converters.mindspore_ckpt import MindSporeCkptReader, MindSporeCkptWriter
 from hpckpt.converters.safetensors_file import SafetensorsFileReader, SafetensorsWriter
 from hpckpt.converters.torch_dcp import TorchDcpReader, TorchDcpWriter
+from hpckpt.converters.torch_dcp.metadata_files import rank_local_files
 from hpckpt.converters.torch_save_file import TorchSaveFileWriter, TorchSaveReader
 from hpckpt.core.commit import staging_directory
 from hpckpt.core.errors import (
@@ -38,6 +40,8 @@ FORMATS: tuple[Format, ...] = (
            TorchDcpReader(), TorchDcpWriter, "dir"),
     Format("hf-sharded", "Hugging Face sharded safetensors (model.safetensors.index.json + shards)", ("hf",),
            HfShardedReader(), HfShardedWriter, "dir", whole_tensors=True),
+    Format("hf-torch-bin", "Hugging Face torch weights (pytorch_model.bin.index.json + .bin shards; read only)", (),
+           HfTorchBinReader(), None, "dir"),
     Format("mindspore-ckpt", "one MindSpore .ckpt file", ("ms", "ckpt"),
            MindSporeCkptReader(), MindSporeCkptWriter, "file", whole_tensors=True, extensions=(".ckpt",)),
     Format("safetensors", "one safetensors file", (), SafetensorsFileReader(), SafetensorsWriter, "file",
@@ -102,6 +106,11 @@ def detect(path: Path) -> Format:
             f"{path}/.metadata is neither HyperParallel nor PyTorch DCP metadata",
             hint=f"hpckpt reads: {recognised()}",
         )
+    rank_local = rank_local_files(path) if path.is_dir() else []  # torch DCP saved without collectives
+    if rank_local:
+        _refuse_unreadable_metadata(path / rank_local[0][1])
+        raise UnknownFormatError(f"{path}/{rank_local[0][1]} is not PyTorch DCP metadata",
+                                 hint=f"hpckpt reads: {recognised()}")
     if path.is_dir() and (any(path.glob("_rank*_.safetensors")) or any(path.glob("__*_*.distcp"))):
         raise NotACheckpointError(
             f"{path}: data files but no metadata file: an interrupted save?",

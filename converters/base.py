@@ -72,6 +72,7 @@ class WriterOptions:
     source_framework: str | None = None
     max_shard_bytes: int = 5 * 10**9
     crc: bool = False
+    user_metadata: tuple[tuple[str, str], ...] = ()  # a safetensors source's own __metadata__ keys
 
 
 class FormatWriter(Protocol):

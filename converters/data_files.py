@@ -28,6 +28,7 @@ class DataFileLocator:
         self.root = root
         self._tensor_tables: dict[str, dict[str, Location]] = {}
         self._headers: dict[str, safetensors_io.SafetensorsHeader] = {}
+        self._sidecars: dict[str, dict] = {}
 
     def path(self, relative: str) -> Path:
         return resolve_inside(self.root, relative)
@@ -107,6 +108,15 @@ class DataFileLocator:
             os.close(fd)
 
     def decode_value(self, entry: ValueEntry) -> Any:
+        if entry.encoding == "json":  # a safetensors output's values sidecar (converters.values_sidecar)
+            from hpckpt.converters import values_sidecar
+
+            document = self._sidecars.get(entry.file)
+            if document is None:
+                document = self._sidecars[entry.file] = values_sidecar.read(self.path(entry.file))
+            if entry.fqn not in document:
+                raise CorruptDataError(f"{entry.file}: no value {entry.fqn!r} (changed since it was read?)")
+            return values_sidecar.decode_one(document[entry.fqn])
         data = self.value_bytes(entry)
         if not data.startswith(b"\x80"):
             # HyperParallel writes `bytes` values raw, not pickled (format spec 4.4).

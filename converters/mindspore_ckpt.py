@@ -4,8 +4,9 @@
 Written as `mindspore.save_checkpoint` writes it, byte for byte: every tensor a Value whose
 header follows from its dtype and shape, cut every `SPLIT_BYTES` into Values with the same tag
 (MindSpore's synchronous save), then the values: `str` as MindSpore stores them, bool/int/float
-as 0-d tensors (what `save_checkpoint(append_dict=...)` does); with `--crc`, the CRC-32 trailer.
-Zero-element tensors and other values cannot be held: they are reported as skipped.
+as 0-d tensors (what `save_checkpoint(append_dict=...)` does, reported as converted: MindSpore
+reads them back as tensors); with `--crc`, the CRC-32 trailer. Zero-element tensors and other
+values cannot be held: they are reported as skipped. A dtype MindSpore cannot load is refused.
 """
 
 from __future__ import annotations
@@ -24,19 +25,28 @@ from hpckpt.core import mindspore_ckpt as ckpt
 from hpckpt.core.output import Extent, FileLayout, Finished, OutputLayout, Placement
 from hpckpt.core.plan import Plan
 from hpckpt.core import safetensors_io
-from hpckpt.core.errors import CorruptDataError, EntryMismatchError, UnknownFormatError
+from hpckpt.core.errors import CorruptDataError, EntryMismatchError, NotACheckpointError, UnknownFormatError
 from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry, parse_range_key
 
 SNIFF_BYTES = 4096
 STRING_ENCODING = "utf-32"  # `ValueEntry.encoding` of MindSpore `str` values
+#: Said by inspect (and, as every source note, by a write); a file without a trailer gets no note,
+#: so that converting a plain .ckpt, the usual case, warns of nothing.
+CRC_NOTE = "CRC-32 trailer present (checked when data is read, and by verify)"
 
 
 class MindSporeCkptLocator:
-    """`Locator` for one `.ckpt`: chunk keys are `"offset:nbytes"` of C-contiguous byte runs."""
+    """`Locator` for one `.ckpt`: chunk keys are `"offset:nbytes"` of C-contiguous byte runs.
 
-    def __init__(self, path: Path, file_size: int):
+    A file with a CRC trailer is checked (streamed whole, once per index) on the first read of
+    its data, a chunk located or a value decoded, before a byte of it can reach a destination:
+    a mismatch is `CorruptDataError`, and the command fails before its commit.
+    """
+
+    def __init__(self, path: Path, file_size: int, has_crc: bool = False):
         self.path = path
         self.file_size = file_size
+        self.crc = ckpt.CrcGate(path, has_crc)
 
     def locate(self, chunk: Chunk, entry: TensorEntry) -> Location:
         offset, nbytes = parse_range_key(chunk.key, entry.fqn, CorruptDataError)
@@ -45,16 +55,18 @@ class MindSporeCkptLocator:
                 f"{chunk.file}: bytes {chunk.key} of {entry.fqn!r} cannot hold {entry.dtype}{list(chunk.box.sizes)}"
             )
         self._check_range(offset, nbytes, entry.fqn)
+        self.crc.check()
         return Location(self.path, offset, nbytes, entry.dtype, tuple(chunk.box.sizes))
 
     def decode_value(self, entry: ValueEntry) -> Any:
         self._check_range(entry.offset, entry.length, entry.fqn)
+        self.crc.check()
         return ckpt.read_string(self.path, ckpt.CkptString(entry.fqn, entry.offset, entry.length))
 
     def file_problems(self, relative: str) -> list[str]:
-        """The CRC trailer, when there is one, must match the file (streams the whole file)."""
+        """The CRC trailer, when there is one, must match the file (the same check reads do)."""
         try:
-            ckpt.verify_crc(self.path)
+            self.crc.check()
         except CorruptDataError as exc:
             return [exc.message.removeprefix(f"{self.path}: ")]
         return []
@@ -73,6 +85,21 @@ def _head(path: Path) -> tuple[bytes, int]:
             return f.read(SNIFF_BYTES), os.fstat(f.fileno()).st_size
     except OSError:
         return b"", -1
+
+
+def _refuse_empty(scan: ckpt.CkptScan) -> None:
+    """No Value at all (0 bytes, or a CRC trailer alone: what `save_checkpoint({})` and
+    `save_checkpoint([])` write) is no checkpoint: MindSpore's own loader refuses it ("The loaded
+    parameter dict is empty"). Not corrupt: the bytes are well formed, there is just nothing."""
+    if scan.tensors or scan.strings or scan.unsupported:
+        return
+    what = "is empty (0 bytes)" if scan.file_size == 0 else (
+        "holds only a CRC trailer" if scan.has_crc and scan.proto_end == 0 else "holds no entry")
+    raise NotACheckpointError(
+        f"{scan.path}: this MindSpore .ckpt {what}: no tensor and no value, so it is no checkpoint "
+        f"(MindSpore's load_checkpoint refuses it too)",
+        hint="MindSpore's save_checkpoint({}) writes such a file; a 0-byte one may also be a copy that failed",
+    )
 
 
 def _refuse_unsupported(scan: ckpt.CkptScan) -> None:
@@ -110,6 +137,7 @@ class MindSporeCkptReader:
     def read_index(self, path: Path) -> CheckpointIndex:
         path = Path(path)
         scan = ckpt.scan(path)
+        _refuse_empty(scan)
         _refuse_unsupported(scan)
         name = path.name
         tensors = {
@@ -124,7 +152,7 @@ class MindSporeCkptReader:
                   for s in scan.strings.values()}
         notes = list(scan.notes)
         if scan.has_crc:
-            notes.append("CRC-32 trailer present (checked by verify)")
+            notes.append(CRC_NOTE)
         # (a single-file index: the same fields as torch_save_file.py's, with this format's values)
         return CheckpointIndex(
             root=path.parent,
@@ -134,11 +162,14 @@ class MindSporeCkptReader:
             tensors=tensors,
             values=values,
             data_files=[name],
-            locator=MindSporeCkptLocator(path, scan.file_size),
+            locator=MindSporeCkptLocator(path, scan.file_size, scan.has_crc),
             notes=notes,
+            warnings=list(scan.warnings),
         )
 
 
+#: Python scalars a `.ckpt` holds as 0-d tensors, in the tensor_type `save_checkpoint(append_dict=)`
+#: gives them (`Tensor(value)`); `load_checkpoint` returns them as Parameters, not as scalars.
 _SCALAR_TYPES = {bool: "bool", int: "int64", float: "float32"}
 _CRC = "crc"
 
@@ -151,7 +182,11 @@ class MindSporeCkptWriter:
         self._crc_at: int | None = None
 
     def layout(self, plan: Plan, values: Mapping[str, Any]) -> OutputLayout:
-        fixed, boxes, skipped, position = [], [], [], 0
+        """Raises:
+            UnsupportedDTypeError: a tensor's dtype has no tensor_type MindSpore loads.
+            NotACheckpointError: nothing would be written (a .ckpt with no entry is no checkpoint).
+        """
+        fixed, boxes, skipped, converted, position = [], [], [], [], 0
         split = max(1, int(ckpt.SPLIT_BYTES))
 
         def emit(data: bytes) -> None:
@@ -160,7 +195,7 @@ class MindSporeCkptWriter:
             position += len(data)
 
         for tensor, planned in whole_tensors(plan, "mindspore-ckpt"):
-            spelling = ckpt.writable_spelling(tensor.dtype).encode()
+            spelling = ckpt.writable_spelling(tensor.dtype, tensor.fqn).encode()
             nbytes = tensor.box_nbytes(planned)
             if nbytes == 0:
                 skipped.append((tensor.fqn, "zero-element tensors cannot be stored in a .ckpt"))
@@ -173,22 +208,27 @@ class MindSporeCkptWriter:
                 position += piece
             boxes.append(Placement(tensor, planned, tuple(extents)))
         for value in plan.values:
-            data = values[value.fqn]
-            if isinstance(data, str):
-                emit(_string_value(value.fqn, data))
-            elif type(data) in _SCALAR_TYPES:
-                kind = dtypes.dtype(_SCALAR_TYPES[type(data)])
-                content = np.array(data, dtype=kind.np).tobytes()
-                emit(ckpt.piece_header(_tag(value.fqn), (), ckpt.writable_spelling(kind).encode(), len(content)) + content)
-            else:
-                skipped.append((value.fqn, f"a .ckpt holds str, int, float and bool values, not {type(data).__name__}"))
+            record, reason = _value_record(value.fqn, values[value.fqn])
+            if record is None:
+                skipped.append((value.fqn, reason))
+                continue
+            emit(record)
+            if reason is not None:
+                converted.append((value.fqn, reason))
+        if not fixed:
+            raise NotACheckpointError(
+                f"{self.options.name}: nothing to write: a .ckpt without a tensor or value is no "
+                f"checkpoint (MindSpore's load_checkpoint refuses it, and so does hpckpt)"
+                + (f"; not writable: {', '.join(sorted({r for _, r in skipped}))}" if skipped else ""),
+                hint="select at least one entry, or write another format",
+            )
         checksums = ()
         if self.options.crc:
             self._crc_at = position
             checksums = ((_CRC, 0, position),)
             position += ckpt.CRC_TRAILER_BYTES
         layout = FileLayout(self.options.name, position, tuple(fixed), tuple(boxes), checksums)
-        return OutputLayout((layout,), tuple(skipped))
+        return OutputLayout((layout,), tuple(skipped), tuple(converted))
 
     def expected_files(self, plan: Plan) -> list[str]:
         return [self.options.name]
@@ -200,6 +240,34 @@ class MindSporeCkptWriter:
         return Finished(((self.options.name, self._crc_at, trailer),))
 
 
+def _value_record(name: str, data: Any) -> tuple[bytes | None, str | None]:
+    """A value's Value record and why it is another kind now; or None and why it is not written.
+
+    `str` stays a str (MindSpore's own encoding, read back as str). bool/int/float become 0-d
+    tensors, as `save_checkpoint(append_dict=...)` stores them, and MindSpore reads them back as
+    Parameters: reported as converted, never passed off as the same value.
+    """
+    if isinstance(data, str):
+        if data.endswith("\x00"):
+            return None, "MindSpore drops the trailing NUL characters of str values"
+        return _string_value(name, data), None
+    kind = _SCALAR_TYPES.get(type(data))
+    if kind is None:
+        return None, f"a .ckpt holds str, int, float and bool values, not {type(data).__name__}"
+    dt = dtypes.dtype(kind)
+    if kind == "int64" and not -(1 << 63) <= data < 1 << 63:
+        return None, f"int {data} does not fit the Int64 tensor a .ckpt stores ints in"
+    with np.errstate(over="ignore"):  # a float beyond float32's range becomes inf: reported below
+        stored = np.array(data, dtype=dt.np)
+    content = stored.tobytes()
+    record = ckpt.piece_header(_tag(name), (), ckpt.writable_spelling(dt).encode(), len(content)) + content
+    what = type(data).__name__
+    if kind == "float32" and float(stored) != data and data == data:  # (NaN stays NaN)
+        what = f"float {data!r}, rounded to {float(stored)!r},"
+    return record, (f"{what} stored as a 0-d {dt.mindspore} tensor: MindSpore's load_checkpoint reads it "
+                    f"back as a Parameter (a tensor), not as a Python {type(data).__name__}")
+
+
 def _tag(name: str) -> bytes:
     if not isinstance(name, str) or not name:
         raise ValueError(f"entry names must be non-empty strings, not {name!r}")
@@ -208,7 +276,5 @@ def _tag(name: str) -> bytes:
 
 def _string_value(name: str, text: str) -> bytes:
     """A `str` value as MindSpore stores it (`dims [0]`, numpy `<U` bytes = UTF-32-LE)."""
-    if text.endswith("\x00"):
-        raise ValueError(f"{name}: MindSpore drops trailing NUL characters of str values")
     content = text.encode("utf-32-le") or b"\x00" * 4  # numpy stores "" as one NUL (<U1)
     return ckpt.piece_header(_tag(name), (0,), ckpt.STRING_TYPE.encode(), len(content)) + content

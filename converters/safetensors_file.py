@@ -1,51 +1,93 @@
 """A single safetensors file (or a directory holding exactly one): every key is a whole tensor.
 
-Read: any such file (MindSpore's `format: ms` flavour too). Written: every tensor whole under its
-own name, header first, non-tensor values in a JSON sidecar `NAME.values.json`.
+Read: any such file (MindSpore's `format: ms` flavour too); a file holding pieces of larger tensors
+(one rank's file of a sharded save) is read as stored, and its notes say so. Written: every tensor
+whole under its own name, header first, non-tensor values in a JSON sidecar `NAME.values.json`,
+the source's own `__metadata__` keys carried (`converters.safetensors_pieces`).
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hpckpt.converters import values_sidecar
 from hpckpt.converters.base import WriterOptions
 from hpckpt.converters.data_files import ZIP_MAGIC, DataFileLocator
 from hpckpt.core import safetensors_io
-from hpckpt.core.box import full_box
+from hpckpt.converters.safetensors_pieces import carried_metadata, saved_offsets, single_file_notes
+from hpckpt.core.box import Box, full_box
+from hpckpt.core.errors import CorruptMetadataError
 from hpckpt.core.index import CheckpointIndex, Chunk, TensorEntry
-from hpckpt.core.json_values import values_document
 from hpckpt.core.output import Extent, FileLayout, Finished, OutputLayout, Placement
 from hpckpt.core.plan import Plan, PlannedBox, PlannedTensor
 
 
-def index_safetensors_files(root: Path, files: list[str], fmt: str) -> CheckpointIndex:
-    """Build an index over whole-tensor safetensors files `files` (relative to `root`)."""
+def index_safetensors_files(root: Path, files: list[str], fmt: str, *, assemble: bool = True,
+                            sidecar: str | None = None) -> CheckpointIndex:
+    """Build an index over the safetensors files `files` (relative to `root`).
+
+    A tensor whose file's `__metadata__` places it at offsets (`DCP_SHARDING_INFO`, PyTorch's
+    Hugging Face storage writer) is a piece: with `assemble`, the pieces of all files are chunks of
+    one tensor as large as their extent; without (one file read on its own), each is read as
+    stored and the index's notes say what it is. `sidecar` names the JSON file of the values
+    hpckpt wrote beside the tensors (`converters.values_sidecar`), read when present.
+    """
     locator = DataFileLocator(root)
     tensors: dict[str, TensorEntry] = {}
     frameworks = set()
+    headers = []
     for name in files:
         header = safetensors_io.read_header(locator.path(name))
+        headers.append(header)
         frameworks.add({"ms": "mindspore", "pt": "torch"}.get(header.metadata.get("format", ""), None))
+        offsets = saved_offsets(header) if assemble else None
         for key, info in header.entries.items():
-            if key in tensors:
-                continue  # duplicates across shards: the first wins, as Hugging Face loaders do
-            chunk = Chunk(full_box(info.shape), name, key)
-            tensors[key] = TensorEntry(key, info.dtype, info.shape, [chunk], info.dtype.safetensors)
+            at = offsets[key] if offsets is not None else (0,) * len(info.shape)
+            chunk = Chunk(Box(at, info.shape), name, key)
+            entry = tensors.get(key)
+            if entry is None:
+                tensors[key] = TensorEntry(key, info.dtype, _extent(chunk.box), [chunk], info.dtype.safetensors)
+            elif offsets is not None:
+                _add_piece(entry, chunk, info.dtype, name)
+            # else: duplicates across shards: the first wins, as Hugging Face loaders do
     frameworks.discard(None)
+    carried, notes, warnings = carried_metadata(headers)
+    if not assemble:
+        warnings = [n for header in headers for n in single_file_notes(header)] + warnings
     return CheckpointIndex(
         root=root,
         format=fmt,
         format_version="1",
         framework=frameworks.pop() if len(frameworks) == 1 else None,
         tensors=dict(sorted(tensors.items())),
-        values={},
+        values=values_sidecar.value_entries(root, sidecar) if sidecar and (root / sidecar).is_file() else {},
         data_files=sorted(files),
         locator=locator,
+        notes=notes,
+        warnings=warnings,
+        user_metadata=carried,
     )
+
+
+def _extent(box: Box) -> tuple[int, ...]:
+    return tuple(o + s for o, s in zip(box.offsets, box.sizes))
+
+
+def _add_piece(entry: TensorEntry, chunk: Chunk, dtype, name: str) -> None:
+    """One more piece of a tensor saved in pieces: the tensor grows to hold it."""
+    if dtype != entry.dtype:
+        raise CorruptMetadataError(f"{name}: piece of {entry.fqn} is {dtype}, another file's is {entry.dtype}")
+    if len(chunk.box.sizes) != len(entry.shape):
+        raise CorruptMetadataError(f"{name}: piece of {entry.fqn} has {len(chunk.box.sizes)} dims, another file's "
+                                   f"{len(entry.shape)}")
+    if any(c.box == chunk.box for c in entry.chunks):
+        return  # the same piece saved twice (a replica): one is enough
+    entry.chunks.append(chunk)
+    entry.n_chunks = len(entry.chunks)
+    entry.shape = tuple(max(a, b) for a, b in zip(entry.shape, _extent(chunk.box)))
 
 
 _RANK_FILE = re.compile(r"^_rank\d+_\.safetensors$")
@@ -86,7 +128,8 @@ class SafetensorsFileReader:
     def read_index(self, path: Path) -> CheckpointIndex:
         single = _single_file(path)
         assert single is not None
-        return index_safetensors_files(single.parent, [single.name], self.name)
+        return index_safetensors_files(single.parent, [single.name], self.name, assemble=False,
+                                       sidecar=values_sidecar.sidecar_name(single.name))
 
 
 # --- writing ------------------------------------------------------------------------------------
@@ -106,9 +149,13 @@ def whole_tensors(plan: Plan, fmt: str) -> list[tuple[PlannedTensor, PlannedBox]
     return out
 
 
-def safetensors_file(name: str, items: list[tuple[PlannedTensor, PlannedBox]], flavour: str) -> FileLayout:
-    """One safetensors file of whole tensors under their own names, header first."""
-    head, offsets = safetensors_io.encode_header([(t.fqn, t.dtype, t.shape) for t, _ in items], {"format": flavour})
+def safetensors_file(name: str, items: list[tuple[PlannedTensor, PlannedBox]], flavour: str,
+                     user_metadata: Mapping[str, str] | None = None) -> FileLayout:
+    """One safetensors file of whole tensors under their own names, header first; the source's
+    `user_metadata` keys go into `__metadata__` before hpckpt's own, which win."""
+    metadata = {k: v for k, v in sorted((user_metadata or {}).items()) if k != "format"}
+    metadata["format"] = flavour
+    head, offsets = safetensors_io.encode_header([(t.fqn, t.dtype, t.shape) for t, _ in items], metadata)
     boxes = tuple(Placement(t, b, (Extent(at, t.box_nbytes(b)),)) for (t, b), at in zip(items, offsets))
     return FileLayout(name, len(head) + sum(p.nbytes for p in boxes), ((0, head),), boxes)
 
@@ -119,10 +166,6 @@ def flavour(options: WriterOptions) -> str:
     return "ms" if options.framework == "mindspore" else "pt"
 
 
-def values_sidecar(values: Mapping[str, Any]) -> bytes:
-    return (json.dumps(values_document(values), indent=1) + "\n").encode()
-
-
 class SafetensorsWriter:
     """`FormatWriter` of one safetensors file; non-tensor values go into `NAME.values.json`."""
 
@@ -131,10 +174,12 @@ class SafetensorsWriter:
         self._sidecar: tuple[tuple[str, bytes], ...] = ()
 
     def layout(self, plan: Plan, values: Mapping[str, Any]) -> OutputLayout:
-        name = self.options.name
+        name, converted = self.options.name, ()
         if values:
-            self._sidecar = ((name.removesuffix(".safetensors") + ".values.json", values_sidecar(values)),)
-        return OutputLayout((safetensors_file(name, whole_tensors(plan, "safetensors"), flavour(self.options)),))
+            data, converted = values_sidecar.encode(values)
+            self._sidecar = ((values_sidecar.sidecar_name(name), data),)
+        return OutputLayout((safetensors_file(name, whole_tensors(plan, "safetensors"), flavour(self.options),
+                                              dict(self.options.user_metadata)),), converted=converted)
 
     def expected_files(self, plan: Plan) -> list[str]:
         return [self.options.name]

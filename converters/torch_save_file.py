@@ -1,8 +1,10 @@
 """A torch.save file (zip format, torch >= 1.6): read and written without torch, never running its pickle.
 
 Read: nested dicts are flattened with "." between keys, as PyTorch DCP flattens a state dict
-(`{"model": {"w": t}, "optim": {"state": {0: {...}}}}` -> `model.w`, `optim.state.0.exp_avg`);
-lists, tuples and every other non-tensor leaf stay whole as one value.
+(`{"model": {"w": t}, "optim": {"state": {0: {...}}}}` -> `model.w`, `optim.state.0.exp_avg`).
+A list or tuple holding a tensor is entered too, named as DCP names list items
+(`core.nesting.flatten_nested`: `hist.0`, `tup.1`), so no tensor hides inside a value; a list,
+tuple or other leaf holding no tensor stays one value, as before.
 
 Written: one flat dict `{fqn: tensor or value}` that `torch.load(..., weights_only=True)` and
 `mmap=True` load; tensors in the plan's order, then the values (`core.torch_archive`).
@@ -25,15 +27,18 @@ from hpckpt.core import torch_zip
 from hpckpt.core.box import full_box
 from hpckpt.core.errors import CorruptDataError, UnknownFormatError
 from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry
+from hpckpt.core.nesting import flatten_nested, holds_tensor
+from hpckpt.core.paths import resolve_inside
 
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"  # pickle of torch's legacy magic number
 
 
 class TorchSaveLocator:
-    """Tensors are found once, when the archive's pickle is read; values are kept decoded."""
+    """Tensors are found once, when the archives' pickles are read (one torch.save file, or the
+    shards of a Hugging Face `.bin` checkpoint under `root`); values are kept decoded."""
 
-    def __init__(self, path: Path, locations: dict[str, Location], values: dict[str, Any]):
-        self.path = path
+    def __init__(self, root: Path, locations: dict[str, Location], values: dict[str, Any]):
+        self.root = root
         self.locations = locations
         self.values = values
 
@@ -44,19 +49,50 @@ class TorchSaveLocator:
         return self.values[entry.fqn]
 
     def file_problems(self, relative: str) -> list[str]:
-        size = self.path.stat().st_size
-        return [f"{entry} ends at byte {loc.offset + loc.nbytes}, past the end of the {size}-byte file"
-                for entry, loc in self.locations.items() if loc.offset + loc.nbytes > size]
+        path = resolve_inside(self.root, relative)
+        size = path.stat().st_size
+        return [f"{fqn} ends at byte {loc.offset + loc.nbytes}, past the end of the {size}-byte file"
+                for fqn, loc in self.locations.items() if loc.path.name == path.name and loc.offset + loc.nbytes > size]
+
+
+def _is_record(obj: Any) -> bool:
+    return isinstance(obj, torch_zip.TensorRecord)
 
 
 def _flatten(obj: Any, prefix: str, tensors: dict[str, torch_zip.TensorRecord], values: dict[str, Any]) -> None:
-    if isinstance(obj, torch_zip.TensorRecord):
+    """Dicts are entered as they always were; a list, tuple or odd-keyed dict holding a tensor is
+    flattened as DCP names its leaves; anything else is one value (names and bytes unchanged)."""
+    if _is_record(obj):
         tensors[prefix] = obj
     elif isinstance(obj, dict) and obj and all(isinstance(k, (str, int)) for k in obj):
         for key, value in obj.items():
             _flatten(value, f"{prefix}.{key}" if prefix else str(key), tensors, values)
+    elif holds_tensor(obj, _is_record, tuples=True):
+        nested = {prefix: obj} if prefix else dict(enumerate(obj) if isinstance(obj, (list, tuple)) else obj.items())
+        for name, leaf in flatten_nested(nested, _is_record, tuples=True):
+            if name in tensors or name in values:
+                raise CorruptDataError(f"two entries flatten to the same name {name!r}")
+            (tensors if _is_record(leaf) else values)[name] = leaf
     else:
         values[prefix or "value"] = obj
+
+
+def flatten_record(path: Path, tree: Any) -> tuple[dict[str, torch_zip.TensorRecord], dict[str, Any]]:
+    """A torch.save record's tensors and values by flattened name.
+
+    Raises:
+        CorruptDataError: two entries flatten to the same name.
+    """
+    records: dict[str, torch_zip.TensorRecord] = {}
+    values: dict[str, Any] = {}
+    try:
+        _flatten(tree, "", records, values)
+    except CorruptDataError as exc:
+        raise CorruptDataError(f"{path}: {exc.message}") from None
+    clash = set(records) & set(values)
+    if clash:
+        raise CorruptDataError(f"{path}: flattened names collide: {sorted(clash)[:3]}")
+    return records, values
 
 
 def _first_member_name(path: Path) -> bytes:
@@ -82,25 +118,24 @@ class TorchSaveReader:
         except OSError:
             return False
 
-    def read_index(self, path: Path) -> CheckpointIndex:
+    @staticmethod
+    def refuse_legacy(path: Path, what: str = "a torch.save file") -> None:
+        """Raises UnknownFormatError for the pre-1.6 (non-zip) format, which has no index to read."""
         with open(path, "rb") as f:
             if f.read(len(_LEGACY_MAGIC)) == _LEGACY_MAGIC:
                 raise UnknownFormatError(
-                    f"{path}: a torch.save file in the legacy (pre-1.6, non-zip) format",
+                    f"{path}: {what} in torch's legacy (pre-1.6, non-zip) format",
                     hint="load and save it again with a current torch (torch.save writes the zip format)",
                 )
-        tree = torch_zip.load_record(path)
-        records: dict[str, torch_zip.TensorRecord] = {}
-        values: dict[str, Any] = {}
-        _flatten(tree, "", records, values)
-        clash = set(records) & set(values)
-        if clash:
-            raise CorruptDataError(f"{path}: flattened names collide: {sorted(clash)[:3]}")
+
+    def read_index(self, path: Path) -> CheckpointIndex:
+        self.refuse_legacy(path)
+        records, values = flatten_record(path, torch_zip.load_record(path))
         tensors = {
             fqn: TensorEntry(fqn, r.dtype, r.shape, [Chunk(full_box(r.shape), path.name, fqn)], r.dtype.torch)
             for fqn, r in records.items()
         }
-        locator = TorchSaveLocator(path, {fqn: r.location(path) for fqn, r in records.items()}, values)
+        locator = TorchSaveLocator(path.parent, {fqn: r.location(path) for fqn, r in records.items()}, values)
         # (a single-file index: the same fields as mindspore_ckpt.py's, with this format's values)
         return CheckpointIndex(
             root=path.parent,

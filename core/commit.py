@@ -149,6 +149,7 @@ class Fragment:
         self.dest = Path(dest)
         self.sync = sync
         self.fragments = self.dest / FRAGMENT_DIR
+        self._made = [p for p in (self.dest, self.fragments) if not p.exists()]  # removed again if this job fails
         self.fragments.mkdir(parents=True, exist_ok=True)
         self.path = self.dest / f"{TMP_MARK}{os.getpid()}"
         self.path.mkdir(exist_ok=True)
@@ -191,6 +192,12 @@ class Fragment:
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.path.is_dir():
             shutil.rmtree(self.path, ignore_errors=True)
+        if exc_type is not None:
+            for made in reversed(self._made):  # a failed first job leaves no directory behind
+                try:
+                    made.rmdir()
+                except OSError:
+                    break  # another job's files are in it, or it is gone
 
 
 def finalize(dest: Path) -> int:

@@ -25,6 +25,7 @@ import numpy as np
 from hpckpt.core.box import Box
 from hpckpt.core.cast import cast
 from hpckpt.core.durable import fsync_files, start_writeback
+from hpckpt.core.errors import CorruptDataError
 from hpckpt.core.index import BufferLocation, CheckpointIndex, Chunk, Location
 from hpckpt.core.output import Extent, FileLayout, Finished, OutputLayout, Placement
 from hpckpt.core.overlap import ChunkIndex, boxes_to_arrays, check_covered
@@ -43,22 +44,28 @@ def default_jobs() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def copy_range(src_fd: int, dst_fd: int, count: int, src_offset: int, dst_offset: int) -> None:
-    """Kernel-side copy; falls back to read/write where copy_file_range is not possible."""
+def copy_range(src_fd: int, dst_fd: int, count: int, src_offset: int, dst_offset: int, source: Path) -> None:
+    """Kernel-side copy; falls back to read/write where copy_file_range is not possible.
+
+    Raises:
+        CorruptDataError: `source` ends before the range does (truncated since its metadata was read).
+    """
     done = 0
     try:
         while done < count:
             n = os.copy_file_range(src_fd, dst_fd, count - done, src_offset + done, dst_offset + done)
             if n == 0:
-                raise OSError("copy_file_range copied nothing (source truncated?)")
+                break  # end of the source, or a file system that copies nothing: read/write tells which
             done += n
-        return
+        if done == count:
+            return
     except (OSError, AttributeError):
         pass
     while done < count:
         chunk = os.pread(src_fd, min(count - done, 64 * 1024 * 1024), src_offset + done)
         if not chunk:
-            raise OSError(f"source ended {count - done} bytes early")
+            raise CorruptDataError(f"{source}: truncated: needed bytes [{src_offset}, {src_offset + count}) "
+                                   f"but the file ends at {src_offset + done}", hint="was it changed during the run?")
         os.pwrite(dst_fd, chunk, dst_offset + done)
         done += len(chunk)
 
@@ -196,7 +203,7 @@ class _BoxFiller:
                 if path is None:
                     _pwrite_all(self.fd, source_at[skip:skip + length], at)
                 else:
-                    copy_range(self.files.fd(path), self.fd, length, source_at + skip, at)
+                    copy_range(self.files.fd(path), self.fd, length, source_at + skip, at, path)
                 self._written(at, length)
         return True
 
@@ -219,7 +226,7 @@ def source_pieces(index: CheckpointIndex, placements: list[Placement]) -> dict[i
         finder = ChunkIndex(ndim, *entry.chunk_arrays())
         offsets, sizes = boxes_to_arrays([p.box.box for p in group], ndim)
         found = finder.pieces(offsets, sizes)
-        check_covered(fqn, found, offsets, sizes)
+        check_covered(fqn, found, offsets, sizes, finder)
         per_box = found.of_box()
         for i, p in enumerate(group):
             out[id(p)] = [(chunks[c], region) for c, region in (per_box[i] if i < len(per_box) else [])]

@@ -104,6 +104,14 @@ class DestinationExistsError(HpckptError):
     kind = "destination-exists"
 
 
+class UnsupportedDTypeError(HpckptError):
+    """A tensor's dtype is one the source format cannot be read in, or the target format cannot
+    hold (complex in a `.ckpt`, complex128 in safetensors): refused before anything is written."""
+
+    exit_code = 15
+    kind = "dtype-not-supported"
+
+
 class RulesFileError(HpckptError, ValueError):
     """Report a wrong rules file (TOML layout or name rules) as a usage error (exit 2).
 
@@ -159,6 +167,7 @@ ERROR_CLASSES: tuple[type[HpckptError], ...] = (
     UnsafePathError,
     InterruptedSaveError,
     DestinationExistsError,
+    UnsupportedDTypeError,
 )
 
 EXIT_CODE_BY_KIND: dict[str, int] = {cls.kind: cls.exit_code for cls in ERROR_CLASSES}

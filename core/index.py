@@ -189,7 +189,12 @@ class CheckpointIndex:
     metadata_files: list[str] = field(default_factory=list)
     world_size: int | None = None  # inferred from file names: at least this many ranks saved
     planner_data: dict | None = None
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what `inspect` says about it
+    # what every command writing from it repeats as a warning: a file that is one piece of a
+    # larger checkpoint, entries stored twice, metadata that could not be carried
+    warnings: list[str] = field(default_factory=list)
+    # a safetensors source's own `__metadata__` keys, which safetensors and hf outputs carry on
+    user_metadata: dict[str, str] = field(default_factory=dict)
 
     def locate(self, chunk: Chunk, entry: TensorEntry) -> Location | BufferLocation:
         return self.locator.locate(chunk, entry)

@@ -66,7 +66,7 @@ def memory_index(tensors: Mapping[str, MemoryTensor], values: Mapping[str, Any] 
     entries = {
         fqn: TensorEntry(fqn, t.dtype, tuple(t.shape),
                          [Chunk(box, MEMORY, str(i)) for i, (box, _array) in enumerate(t.chunks)],
-                         t.dtype.torch if framework != "mindspore" else (t.dtype.mindspore or t.dtype.torch))
+                         t.dtype.torch if framework != "mindspore" else (t.dtype.ms_spelling or t.dtype.torch))
         for fqn, t in tensors.items()
     }
     return CheckpointIndex(

@@ -53,11 +53,13 @@ class FileLayout:
 
 @dataclass(frozen=True)
 class OutputLayout:
-    """Every data file a plan's producing ranks write, and the entries the format cannot hold
-    (`skipped`: `(fqn, reason)`, reported to the user, never dropped silently)."""
+    """Every data file a plan's producing ranks write, the entries the format cannot hold
+    (`skipped`: `(fqn, reason)`) and those it holds only in another kind (`converted`: a Python
+    int a `.ckpt` stores as a 0-d tensor); both are reported to the user, never passed off."""
 
     files: tuple[FileLayout, ...]
     skipped: tuple[tuple[str, str], ...] = ()
+    converted: tuple[tuple[str, str], ...] = ()
 
     @property
     def nbytes(self) -> int:

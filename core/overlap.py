@@ -6,11 +6,17 @@ dimension with the most distinct starts; a box can only meet the chunks whose st
 one numpy call, so the cost grows with chunks + boxes + pieces, never with chunks x boxes (the
 all-pairs scan PyTorch DCP once did). Identical replicas (rank-local metadata saved without
 de-duplication) are indexed once: the first copy is the one read.
+
+Coverage is checked exactly: summing the volumes of a box's pieces proves it filled only when no
+two stored chunks overlap, so chunks that partly overlap another are found once per tensor, and
+each box they reach is checked cell by cell; an overlap cannot hide a hole.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -96,17 +102,62 @@ class ChunkIndex:
         hit = np.all(end > start, axis=1) & np.all(sizes[box] > 0, axis=1)
         return Pieces(box[hit], self.ids[candidate[hit]], start[hit], (end - start)[hit])
 
+    @cached_property
+    def overlapping(self) -> np.ndarray:
+        """The ids of the (distinct) stored chunks that share elements with another chunk."""
+        if self.dim is None:
+            return np.zeros(0, np.int64)
+        met = self.pieces(self.offsets, self.sizes)
+        other = self.ids[met.box] != met.chunk
+        return np.unique(met.chunk[other])
 
-def check_covered(fqn: str, pieces: Pieces, offsets: np.ndarray, sizes: np.ndarray) -> None:
-    """Every wanted box must be filled exactly by the chunks.
+
+#: Cells of the grid an overlapped box is checked on; beyond it the check gives up (and says so).
+MAX_CHECK_CELLS = 1 << 22
+
+
+def check_covered(fqn: str, pieces: Pieces, offsets: np.ndarray, sizes: np.ndarray,
+                  finder: ChunkIndex | None = None) -> None:
+    """Every wanted box must be filled by the chunks, every element of it (`finder`: the chunk
+    index the pieces came from, which knows the overlapping chunks).
 
     Raises:
-        GeometryError: the source covers less than the whole of some box.
+        GeometryError: some elements of a box are in no stored chunk, or overlapping chunks are
+            too fragmented to prove they are not.
     """
     volume = np.prod(sizes, axis=1) if sizes.shape[1] else np.ones(len(sizes), np.int64)
     covered = np.bincount(pieces.box, weights=pieces.volumes(), minlength=len(sizes)) if len(sizes) else volume
-    short = np.flatnonzero(covered != volume)
-    if len(short):
-        i = int(short[0])
+    suspect = covered != volume
+    if finder is not None and len(finder.overlapping) and len(pieces.box):
+        suspect[pieces.box[np.isin(pieces.chunk, finder.overlapping)]] = True
+    for i in np.flatnonzero(suspect).tolist():
         box = Box(tuple(offsets[i].tolist()), tuple(sizes[i].tolist()))
-        raise GeometryError(f"{fqn}: the source covers {int(covered[i])} of the {int(volume[i])} elements of {box}")
+        mine = pieces.box == i
+        counted = f"the chunks hold {int(covered[i])} of its {int(volume[i])} elements, counting overlaps twice"
+        try:
+            hole = _first_hole(box, pieces.offsets[mine], pieces.sizes[mine])
+        except GeometryError as exc:
+            raise GeometryError(f"{fqn}: {exc.message} ({counted})") from None
+        if hole is not None:
+            raise GeometryError(f"{fqn}: no stored chunk holds {hole}, part of {box} ({counted})")
+
+
+def _first_hole(box: Box, offsets: np.ndarray, sizes: np.ndarray) -> Box | None:
+    """A cell of `box` that none of the regions `[offsets, offsets + sizes)` covers, or None."""
+    ends = offsets + sizes
+    cuts = [np.unique(np.concatenate([[o], offsets[:, d], ends[:, d], [o + n]]))
+            for d, (o, n) in enumerate(zip(box.offsets, box.sizes))]
+    grid = tuple(len(c) - 1 for c in cuts)
+    if math.prod(grid) > MAX_CHECK_CELLS:
+        raise GeometryError(f"{box}: overlapping chunks cut it into {math.prod(grid)} cells, too many to "
+                            "prove every element is stored")
+    counts = np.zeros(grid, dtype=np.int32)
+    for o, e in zip(offsets.tolist(), ends.tolist()):
+        counts[tuple(slice(int(np.searchsorted(c, a)), int(np.searchsorted(c, b)))
+                     for c, a, b in zip(cuts, o, e))] += 1
+    empty = np.argwhere(counts == 0)
+    if not len(empty):
+        return None
+    cell = empty[0].tolist()
+    return Box(tuple(int(cuts[d][k]) for d, k in enumerate(cell)),
+               tuple(int(cuts[d][k + 1] - cuts[d][k]) for d, k in enumerate(cell)))

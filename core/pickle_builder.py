@@ -14,20 +14,11 @@ import struct
 from collections import OrderedDict
 from typing import Any, Iterable
 
+from hpckpt.core import dtypes
 from hpckpt.core.dtypes import DType
 from hpckpt.core.torch_records import contiguous_strides
 
 _U32_MAX = 0xFFFFFFFF
-
-# Element types torch saves through the legacy typed storages (`_rebuild_tensor_v2`); every
-# other dtype (uint16/32/64, float8) goes through UntypedStorage and `_rebuild_tensor_v3`.
-_TYPED_STORAGES = {
-    "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage",
-    "bfloat16": "BFloat16Storage", "int64": "LongStorage", "int32": "IntStorage",
-    "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage", "bool": "BoolStorage",
-    "complex128": "ComplexDoubleStorage", "complex64": "ComplexFloatStorage",
-}
-
 
 class PickleBuilder:
     """Protocol-2 opcodes written by hand: the stock Pickler would import torch to name its globals.
@@ -108,8 +99,16 @@ class PickleBuilder:
         self.body += pickle.REDUCE
 
     def tensor(self, dtype: DType, shape: tuple[int, ...], key: str) -> None:
-        """`_rebuild_tensor_v2/v3(storage, 0, shape, strides, False, OrderedDict()[, dtype])`."""
-        typed = _TYPED_STORAGES.get(dtype.name)
+        """`_rebuild_tensor_v2/v3(storage, 0, shape, strides, False, OrderedDict()[, dtype])`.
+
+        Old dtypes go through their legacy typed storage (`DType.torch_storage`), as torch.save
+        writes them; every other one through UntypedStorage and `_rebuild_tensor_v3`.
+
+        Raises:
+            UnsupportedDTypeError: torch.save cannot hold `dtype` (no torch dtype, quantized...).
+        """
+        dtypes.check_holds(dtype, "torch-save", "torch.save")  # the caller knows the tensor's name
+        typed = dtype.torch_storage
         self.global_("torch._utils", "_rebuild_tensor_v2" if typed else "_rebuild_tensor_v3")
         self.body += pickle.MARK
         self._storage_pid(dtype, shape, key, typed)
@@ -128,7 +127,7 @@ class PickleBuilder:
         self.body += pickle.MARK
         self.const("storage")
         if typed:
-            self.global_("torch", typed)
+            self.global_("torch", typed)  # e.g. "FloatStorage"
         else:
             self.global_("torch.storage", "UntypedStorage")
         self.string(key)

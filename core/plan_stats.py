@@ -45,7 +45,7 @@ def rank_stats(plan: Plan, index: CheckpointIndex) -> list[RankStats]:
         finder = ChunkIndex(ndim, *entry.chunk_arrays())
         offsets, sizes = boxes_to_arrays([b.box for b in boxes], ndim)
         pieces = finder.pieces(offsets, sizes)
-        check_covered(tensor.fqn, pieces, offsets, sizes)
+        check_covered(tensor.fqn, pieces, offsets, sizes, finder)
         ranks = np.array([b.rank for b in boxes], np.int64)
         for b in boxes:
             written[b.rank] += tensor.box_nbytes(b)

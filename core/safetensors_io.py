@@ -5,6 +5,12 @@ Layout: 8-byte little-endian header length N, N bytes of JSON, then the data buf
 safetensors library makes on load is made here too (size limit, JSON, dtype codes, `numel *
 itemsize == end - begin`, entries contiguous from 0 to the end of the file), each with its own
 message, because a checkpoint that `verify` passes must load everywhere.
+
+Sub-byte codes (F4, F6_*) count values in the header shape; hpckpt's element is the byte group
+of `DType.safetensors_pack` values, so shapes are converted here in both directions (F4
+`[.., 2k]` <-> `float4_e2m1fn_x2 [.., k]`, as safetensors' torch loader does). A header whose last
+dimension is no multiple of the pack is a valid file hpckpt cannot represent: refused with
+`UnsupportedDTypeError` rather than split across a byte.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from pathlib import Path
 
 from hpckpt.core import dtypes
 from hpckpt.core.dtypes import DType
-from hpckpt.core.errors import CorruptDataError, UnknownFormatError
+from hpckpt.core.errors import CorruptDataError, UnknownFormatError, UnsupportedDTypeError
 from hpckpt.core.read import open_data_file
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # what the safetensors library accepts
@@ -41,6 +47,7 @@ class SafetensorsHeader:
     entries: dict[str, TensorInfo]
     metadata: dict[str, str]
     problems: list[str] = field(default_factory=list)  # structural findings; empty when valid
+    unsupported: dict[str, str] = field(default_factory=dict)  # key -> why hpckpt cannot represent it
 
 
 def read_header(path: Path, *, strict: bool = True) -> SafetensorsHeader:
@@ -53,6 +60,8 @@ def read_header(path: Path, *, strict: bool = True) -> SafetensorsHeader:
         MissingFileError: the file does not exist or cannot be opened.
         CorruptDataError: the header is truncated, too large, or not valid JSON (always), or
             any other structural problem (when `strict`).
+        UnsupportedDTypeError: (when `strict`) a well-formed entry hpckpt cannot represent (F4
+            or F6 whose last dimension splits a byte); otherwise it is left out, in `.unsupported`.
     """
     with open_data_file(path, "safetensors file") as f:
         file_size = os.fstat(f.fileno()).st_size
@@ -74,15 +83,20 @@ def read_header(path: Path, *, strict: bool = True) -> SafetensorsHeader:
     if not isinstance(doc, dict):
         raise CorruptDataError(f"{path}: safetensors header is not a JSON object")
     header = SafetensorsHeader(path, file_size, 8 + header_len, {}, {})
-    _parse_entries(header, doc)
-    _check_layout(header)
+    _check_layout(header, _parse_entries(header, doc))
     if strict and header.problems:
         raise CorruptDataError(f"{path}: {header.problems[0]}")
+    if strict and header.unsupported:
+        key, why = next(iter(header.unsupported.items()))
+        raise UnsupportedDTypeError(f"{path}: tensor {key!r}: {why}")
     return header
 
 
-def _parse_entries(header: SafetensorsHeader, doc: dict) -> None:
+def _parse_entries(header: SafetensorsHeader, doc: dict) -> list[TensorInfo]:
+    """Fill `header`; return the well-formed entries hpckpt cannot represent (their bytes still
+    count in the layout check)."""
     buffer_size = header.file_size - header.data_start
+    spans: list[TensorInfo] = []
     for key, spec in doc.items():
         if key == "__metadata__":
             if not isinstance(spec, dict) or not all(isinstance(v, str) for v in spec.values()):
@@ -103,7 +117,7 @@ def _parse_entries(header: SafetensorsHeader, doc: dict) -> None:
         if type(begin) is not int or type(end) is not int or not _is_shape(shape):
             header.problems.append(f"tensor {key!r}: shape and data_offsets must be non-negative integers")
             continue
-        expected = math.prod(shape) * dtype.itemsize
+        expected = _nbytes(dtype, shape)
         if end - begin != expected:
             header.problems.append(
                 f"tensor {key!r}: data_offsets [{begin}, {end}] hold {end - begin} bytes, "
@@ -116,7 +130,39 @@ def _parse_entries(header: SafetensorsHeader, doc: dict) -> None:
                 f"({buffer_size} bytes): truncated file?"
             )
             continue
-        header.entries[key] = TensorInfo(key, dtype, shape, header.data_start + begin, header.data_start + end)
+        shape, why = _element_shape(dtype, shape)
+        info = TensorInfo(key, dtype, shape, header.data_start + begin, header.data_start + end)
+        if why:
+            header.unsupported[key] = why
+            spans.append(info)
+        else:
+            header.entries[key] = info
+    return spans
+
+
+def _nbytes(dtype: DType, shape: tuple[int, ...]) -> int | str:
+    """Bytes of a header entry (its shape counts values); a text when they are no whole number,
+    which the safetensors library refuses too."""
+    bits = math.prod(shape) * dtype.itemsize * 8 // dtype.safetensors_pack
+    return bits // 8 if bits % 8 == 0 else f"{bits} bits, not a whole number of bytes"
+
+
+def _element_shape(dtype: DType, shape: tuple[int, ...]) -> tuple[tuple[int, ...], str | None]:
+    """A header shape in hpckpt's elements (byte groups of packed codes), or why it has none."""
+    pack = dtype.safetensors_pack
+    if pack == 1:
+        return shape, None
+    if not shape or shape[-1] % pack:
+        return shape, (f"dtype {dtype.safetensors} not supported with shape {list(shape)}: hpckpt copies "
+                       f"whole bytes of {pack} values, and the last dimension is not a multiple of {pack}")
+    return shape[:-1] + (shape[-1] // pack,), None
+
+
+def header_shape(dtype: DType, shape: tuple[int, ...]) -> list[int]:
+    """The shape a safetensors header records for a tensor of hpckpt's `shape` (values, not groups)."""
+    if dtype.safetensors_pack == 1:
+        return list(shape)
+    return [*shape[:-1], shape[-1] * dtype.safetensors_pack]
 
 
 def _is_shape(shape: tuple) -> bool:
@@ -126,10 +172,10 @@ def _is_shape(shape: tuple) -> bool:
     return True
 
 
-def _check_layout(header: SafetensorsHeader) -> None:
+def _check_layout(header: SafetensorsHeader, unsupported: list[TensorInfo]) -> None:
     """Entries must tile the data buffer from 0 to its end, without holes or overlaps."""
     position = header.data_start
-    for info in sorted(header.entries.values(), key=lambda i: (i.begin, i.end)):
+    for info in sorted([*header.entries.values(), *unsupported], key=lambda i: (i.begin, i.end)):
         if info.begin < position:
             header.problems.append(f"tensor {info.key!r} overlaps the previous tensor's bytes")
         elif info.begin > position:
@@ -162,14 +208,23 @@ def encode_header(entries: "list[tuple[str, DType, tuple[int, ...]]]",
                   metadata: dict[str, str] | None = None) -> tuple[bytes, list[int]]:
     """The 8-byte length and JSON header of a file holding `entries` `(key, dtype, shape)` in that
     order, and each entry's data offset in the file. The header is padded with spaces to a
-    multiple of 8 bytes, so the data is 8-byte aligned, as the safetensors library does."""
+    multiple of 8 bytes, so the data is 8-byte aligned, as the safetensors library does.
+
+    Raises:
+        UnsupportedDTypeError: an entry's dtype has no safetensors code (complex128, bits8...).
+    """
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
     offsets, position = [], 0
     for key, dtype, shape in entries:
+        dtypes.check_holds(dtype, "safetensors", f"tensor {key!r}")
+        if dtype.safetensors_pack > 1 and not shape:
+            raise dtypes.refuse(dtype, f"tensor {key!r}", f"a 0-d tensor of {dtype.safetensors_pack}-value "
+                                "byte groups has no safetensors shape")
         nbytes = math.prod(shape) * dtype.itemsize
-        header[key] = {"dtype": dtype.safetensors, "shape": list(shape), "data_offsets": [position, position + nbytes]}
+        header[key] = {"dtype": dtype.safetensors, "shape": header_shape(dtype, shape),
+                       "data_offsets": [position, position + nbytes]}
         offsets.append(position)
         position += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")

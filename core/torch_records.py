@@ -1,15 +1,18 @@
-"""Where a tensor lies inside a torch.save record: its dtype, shape, strides and first byte.
+"""What a torch.save record's objects become without torch: a tensor is a `TensorRecord` (its
+dtype, shape, strides and first byte), an `io.BytesIO` its bytes.
 
-Readers turn these into `Location`s for the engine; writers use the same stride rules, so both
-sides agree with torch on what a contiguous tensor is.
+Readers turn tensor records into `Location`s for the engine; writers use the same stride rules,
+so both sides agree with torch on what a contiguous tensor is.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hpckpt.core.dtypes import DType
+from hpckpt.core.errors import CorruptDataError
 from hpckpt.core.index import Location
 
 
@@ -67,3 +70,38 @@ def span_elements(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
     if 0 in shape:
         return 0
     return 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+
+
+class BytesIOState:
+    """Stand-in for `io.BytesIO`: PyTorch DCP's default planner torch.saves a state dict's
+    `io.BytesIO` whole; hpckpt reads its content as `bytes` (see `without_bytes_io`)."""
+
+    content = b""
+
+    def __setstate__(self, state: Any) -> None:
+        if not (isinstance(state, tuple) and state and isinstance(state[0], (bytes, bytearray))):
+            raise CorruptDataError(f"io.BytesIO state {type(state).__name__} does not start with its bytes")
+        self.content = bytes(state[0])
+
+
+def without_bytes_io(tree: Any, seen: dict[int, Any] | None = None) -> Any:
+    """`tree` with every BytesIO stand-in replaced by its bytes (lists and dicts updated in place,
+    tuples and sets rebuilt; shared and cyclic containers visited once)."""
+    if isinstance(tree, BytesIOState):
+        return tree.content
+    if not isinstance(tree, (dict, list, tuple, set, frozenset)):
+        return tree
+    seen = {} if seen is None else seen
+    if id(tree) in seen:
+        return seen[id(tree)]
+    seen[id(tree)] = tree
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            tree[key] = without_bytes_io(value, seen)
+        return tree
+    if isinstance(tree, list):
+        tree[:] = [without_bytes_io(v, seen) for v in tree]
+        return tree
+    rebuilt = type(tree)(without_bytes_io(v, seen) for v in tree)
+    seen[id(tree)] = rebuilt
+    return rebuilt

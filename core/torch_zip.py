@@ -23,8 +23,9 @@ from typing import Any
 
 from hpckpt.core import dtypes
 from hpckpt.core.dtypes import DType
-from hpckpt.core.errors import CorruptDataError, HpckptError, MissingFileError, UnsafePickleError
-from hpckpt.core.torch_records import TensorRecord, span_elements
+from hpckpt.core.errors import CorruptDataError, HpckptError, UnsafePickleError
+from hpckpt.core.read import open_data_file
+from hpckpt.core.torch_records import BytesIOState, TensorRecord, span_elements, without_bytes_io
 from hpckpt.core.unpickle import Resolver, SafeUnpickler, safe_global
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -180,26 +181,29 @@ def _check_byteorder(archive: _Archive) -> None:
 
 # --- unpickling data.pkl --------------------------------------------------------------------------
 
-# Storage class names are the old typed-storage names; these are the ones `dtypes.dtype` lacks.
-_STORAGE_ALIASES = {
-    "Char": "int8",
-    "Byte": "uint8",
-    "ComplexFloat": "complex64",
-    "ComplexDouble": "complex128",
-}
-_TYPED_STORAGES = (
-    "Float", "Double", "Half", "BFloat16", "Long", "Int", "Short", "Char", "Byte", "Bool",
-    "ComplexFloat", "ComplexDouble",
-)
-
-
+# Storage classes torch.save names: the legacy typed storages of the table's `torch_storage`
+# column (quantized ones included, so that they are refused as a dtype, not as an unsafe pickle),
+# and UntypedStorage, whose tensors name their dtype in `_rebuild_tensor_v3`.
 def _storage_types() -> dict[tuple[str, str], _StorageType]:
-    table = {}
-    for stem in _TYPED_STORAGES:
-        table[("torch", f"{stem}Storage")] = _StorageType(dtypes.dtype(_STORAGE_ALIASES.get(stem, stem)))
+    table = {("torch", d.torch_storage): _StorageType(d) for d in dtypes.all_dtypes() if d.torch_storage}
     for module in ("torch", "torch.storage"):
         table[(module, "UntypedStorage")] = _StorageType(None)
     return table
+
+
+def _rebuild_qtensor(storage, storage_offset, size, stride, *_ignored) -> TensorRecord:
+    """`torch._utils._rebuild_qtensor`: kept as a record of its quantized dtype, which every
+    format refuses; its bytes are not checked (quint4x2 packs two values per byte)."""
+    if not isinstance(storage, _Storage) or storage.dtype is None or storage.dtype.refusal is None:
+        raise CorruptDataError("_rebuild_qtensor on a storage that is not a quantized one")
+    shape, strides = tuple(int(n) for n in size), tuple(int(s) for s in stride)
+    offset = storage.data_offset + int(storage_offset) * storage.dtype.itemsize
+    return TensorRecord(storage.dtype, shape, strides, offset, storage.nbytes)
+
+
+# The quantization schemes a quantized tensor's parameters name (kept as their names).
+_QSCHEMES = ("per_tensor_affine", "per_channel_affine", "per_tensor_symmetric",
+             "per_channel_symmetric", "per_channel_affine_float_qparams")
 
 
 class _TensorType:
@@ -249,6 +253,13 @@ def _rebuild_from_type_v2(func, new_type, args, state) -> Any:
     return func(*args)
 
 
+def _bytes(*args: Any) -> bytes:
+    """`bytes()`, which protocol 2 pickles `b""` as; never of a size (`bytes(10**12)`)."""
+    if args and not isinstance(args[0], (bytes, bytearray, str)):
+        raise UnsafePickleError("refusing bytes() of a size: only bytes() and bytes(bytes) are allowed")
+    return bytes(*args)
+
+
 def _device(*args: Any) -> str:
     """`torch.device('cpu')` inside a saved value: keep the device as its string."""
     return ":".join(str(a) for a in args)
@@ -265,7 +276,12 @@ _RECORD_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch", "Tensor"): _TensorType,
     ("torch.nn.parameter", "Parameter"): _TensorType,
     ("torch", "device"): _device,
+    ("_io", "BytesIO"): BytesIOState,
+    ("io", "BytesIO"): BytesIOState,
+    ("builtins", "bytes"): _bytes,
     ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch._utils", "_rebuild_qtensor"): _rebuild_qtensor,
+    **{("torch", q): q for q in _QSCHEMES},
     **_storage_types(),
 }
 
@@ -285,6 +301,12 @@ class _RecordUnpickler(SafeUnpickler):
         super().__init__(io.BytesIO(archive.read("data.pkl")), resolver=resolver)
         self._archive = archive
         self._storages: dict[str, _Storage] = {}
+        self.saw_bytes_io = False
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name)
+        self.saw_bytes_io |= found is BytesIOState
+        return found
 
     def persistent_load(self, pid: Any) -> _Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
@@ -314,7 +336,9 @@ _PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyEr
 def _unpickle(archive: _Archive, resolver: Resolver) -> Any:
     """Unpickle data.pkl; every failure becomes a typed error naming the record."""
     try:
-        return _RecordUnpickler(archive, resolver).load()
+        unpickler = _RecordUnpickler(archive, resolver)
+        tree = unpickler.load()
+        return without_bytes_io(tree) if unpickler.saw_bytes_io else tree
     except HpckptError as exc:
         if not exc.message.startswith(archive.where):
             exc.message = f"{archive.where}: {exc.message}"
@@ -350,11 +374,8 @@ def load_record(path: "Path | str", start: int = 0, length: int | None = None, *
     """
     path = Path(path)
     where = _describe(path, start, length)
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise MissingFileError(f"{path}: cannot open ({exc.strerror})") from exc
-    try:
+    with open_data_file(path) as file:
+        fd = file.fileno()
         size = os.fstat(fd).st_size
         length = size - start if length is None else length
         if start < 0 or length < 0 or start + length > size:
@@ -369,8 +390,6 @@ def load_record(path: "Path | str", start: int = 0, length: int | None = None, *
             archive = _Archive(zf, window, start, where)
             _check_byteorder(archive)
             return _unpickle(archive, resolver)
-    finally:
-        os.close(fd)
 
 
 def is_zip_record(path: "Path | str", start: int = 0) -> bool:
@@ -385,3 +404,4 @@ def is_zip_record(path: "Path | str", start: int = 0) -> bool:
         return False
     finally:
         os.close(fd)
+

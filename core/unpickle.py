@@ -54,9 +54,10 @@ def _numpy_globals() -> dict[tuple[str, str], Any]:
 
 def _torch_globals() -> dict[tuple[str, str], Any]:
     table: dict[tuple[str, str], Any] = {("torch", "Size"): tuple}
-    for d in dtypes.all_dtypes():
-        table[("torch", d.name)] = d
-    for alias in ("float", "half", "double", "long", "int", "short", "cfloat", "cdouble"):
+    for d in dtypes.all_dtypes():  # every torch dtype: a refused one is refused as a dtype, not here
+        if d.in_torch:
+            table[("torch", d.name)] = d
+    for alias in ("float", "half", "double", "long", "int", "short", "cfloat", "cdouble", "chalf", "bit"):
         table[("torch", alias)] = dtypes.dtype(alias)
     for name in ("strided", "sparse_coo", "contiguous_format", "channels_last", "preserve_format"):
         table[("torch", name)] = name

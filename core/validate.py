@@ -4,7 +4,8 @@ Checks, in order: data files inside the checkpoint, present and readable; safete
 well formed; every chunk inside its tensor, and the chunks of each tensor covering it exactly
 (identical replicas allowed; gaps and overlaps reported as boxes); every tensor key present in its
 file with the dtype and shape the metadata says; every value's byte range inside its file and
-decodable by the safe unpickler; files left by an interrupted save.
+decodable by the safe unpickler; tensors of a dtype hpckpt refuses (quantized, shell dtypes);
+files left by an interrupted save.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
+from hpckpt.core import dtypes
 from hpckpt.core.box import Box
 from hpckpt.core.errors import EXIT_CODE_BY_KIND, HpckptError
 from hpckpt.core.index import CheckpointIndex, TensorEntry
+from hpckpt.core.overlap import ChunkIndex, boxes_to_arrays
 from hpckpt.core.paths import resolve_inside
 
 MAX_GRID_CELLS = 4_000_000  # coverage is checked on a grid of distinct chunk boundaries
@@ -99,6 +102,10 @@ def _check_files(index: CheckpointIndex, findings: list[Finding]) -> set[str]:
 
 
 def _check_tensor(index: CheckpointIndex, entry: TensorEntry, bad_files: set[str], findings: list[Finding]) -> None:
+    refused = entry.dtype.refusal is not None  # quantized, shell dtypes: sound files hpckpt cannot copy
+    if refused:
+        exc = dtypes.refuse(entry.dtype, entry.fqn)
+        findings.append(Finding(exc.kind, "error", exc.message, fqn=entry.fqn))
     inside = []
     for i, chunk in enumerate(entry.chunks):
         if not chunk.box.inside(entry.shape):
@@ -109,7 +116,7 @@ def _check_tensor(index: CheckpointIndex, entry: TensorEntry, bad_files: set[str
             ))
             continue
         inside.append(chunk.box)
-        if chunk.file in bad_files:
+        if chunk.file in bad_files or refused:
             continue
         try:
             index.locate(chunk, entry)
@@ -132,13 +139,18 @@ def _coverage(entry: TensorEntry, boxes: list[Box]) -> list[Finding]:
     cuts = [sorted({0, n} | {b.offsets[d] for b in distinct} | {b.ends[d] for b in distinct})
             for d, n in enumerate(shape)]
     grid = tuple(len(c) - 1 for c in cuts)
-    if math.prod(grid) > MAX_GRID_CELLS:
+    if math.prod(grid) > MAX_GRID_CELLS:  # too many cells: count elements, which is exact without overlaps
+        findings = []
+        finder = ChunkIndex(len(shape), *boxes_to_arrays(distinct, len(shape)))
+        if len(finder.overlapping):
+            findings.append(Finding("geometry", "error", f"{entry.fqn}: {len(finder.overlapping)} different "
+                                    "chunks overlap another (holes they may hide are not located)", fqn=entry.fqn))
         covered = sum(b.volume for b in distinct)
         if covered != math.prod(shape):
-            return [Finding("geometry", "error",
+            findings.append(Finding("geometry", "error",
                             f"{entry.fqn}: chunks hold {covered} elements, the tensor has {math.prod(shape)}",
-                            fqn=entry.fqn)]
-        return []
+                            fqn=entry.fqn))
+        return findings
     counts = np.zeros(grid, dtype=np.int32)
     for b in distinct:
         counts[tuple(slice(bisect.bisect_left(c, o), bisect.bisect_left(c, e))

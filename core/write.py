@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hpckpt.core import engine
+from hpckpt.core.accounting import check_layout, check_written
 from hpckpt.core.commit import Fragment, Staging
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.plan import Plan
@@ -41,11 +42,12 @@ class WriteSettings:
 @dataclass(frozen=True)
 class Written:
     """What a write produced: data files, what each storing rank wrote and read, and what the
-    format could not hold (`skipped`, `(fqn, reason)`)."""
+    format could not hold (`skipped`) or held in another kind (`converted`), each `(fqn, reason)`."""
 
     files: int
     ranks: tuple[RankStats, ...]
     skipped: tuple[tuple[str, str], ...]
+    converted: tuple[tuple[str, str], ...] = ()
 
     @property
     def bytes_written(self) -> int:
@@ -57,14 +59,18 @@ class Written:
 
 
 def write_plan(plan: Plan, source: CheckpointIndex, writer, dest: Path, settings: WriteSettings, *,
-               file_output: bool = False, fan_out: bool = False) -> Written:
+               file_output: bool = False, fan_out: bool = False,
+               read_back: Callable[[Path], CheckpointIndex] | None = None) -> Written:
     """Lay `plan` out with `writer`, fill it from `source` and commit it at `dest`.
 
     `fan_out`: only the plan's producing ranks are written, straight into the shared `dest`
     (`core.commit.Fragment`); `hpckpt reshard --finalize` writes the metadata later.
+    `read_back` (the format's reader) reads the staged output's metadata before it is committed,
+    to prove it holds every entry that was not reported skipped (`core.accounting`).
     """
     values = {v.fqn: source.decode_value(v.fqn) for v in plan.values}
     layout = writer.layout(plan, values)
+    check_layout(plan, layout)
     progress = settings.progress
     if progress is not None:
         progress.start(layout.nbytes)
@@ -83,5 +89,7 @@ def write_plan(plan: Plan, source: CheckpointIndex, writer, dest: Path, settings
             finished = writer.finish(done.crcs)
             engine.finish(layout, finished, staging.path, sync=settings.sync)
             staging.write_metadata(finished.metadata)
+            if read_back is not None:
+                check_written(plan, layout, read_back(staging.path / Path(dest).name if file_output else staging.path))
             staging.commit()
-    return Written(len(layout.files), done.ranks, layout.skipped)
+    return Written(len(layout.files), done.ranks, layout.skipped, layout.converted)

@@ -28,7 +28,8 @@ from hpckpt.converters.base import WriterOptions
 from hpckpt.converters.mindspore_ckpt import MindSporeCkptReader
 from hpckpt.core import mindspore_ckpt as mc
 from hpckpt.core.dtypes import dtype
-from hpckpt.core.errors import CorruptDataError, HpckptError, NotACheckpointError, UnknownFormatError
+from hpckpt.core.errors import (CorruptDataError, HpckptError, NotACheckpointError, UnknownFormatError,
+                                UnsupportedDTypeError)
 from hpckpt.core.memory_source import MemoryTensor, memory_index
 from hpckpt.core.plan import whole_tensor_plan
 from hpckpt.core.read import read_box
@@ -282,8 +283,10 @@ def test_sniff_claims_ckpt_files_only(saved, tmp_path):
             assert detect(path).name != "mindspore-ckpt"  # a torch.save .ckpt is another adapter's
         except NotACheckpointError:
             pass
-    (tmp_path / "empty.ckpt").write_bytes(b"")  # what save_checkpoint({}) writes
-    assert open_index(tmp_path / "empty.ckpt").tensors == {}
+    (tmp_path / "empty.ckpt").write_bytes(b"")  # what save_checkpoint({}) writes: claimed, then refused
+    assert adapter.sniff(tmp_path / "empty.ckpt")
+    with pytest.raises(NotACheckpointError, match="empty"):
+        open_index(tmp_path / "empty.ckpt")
 
 
 def test_cli_inspect_consolidate_reshard(saved, tmp_path):
@@ -387,7 +390,7 @@ def test_writer_refuses_misuse_and_leaves_nothing(tmp_path):
         write_with_hpckpt(path, {"a": np.zeros(2, np.float32)}, piece=4, progress=FailingProgress())
     assert list(tmp_path.iterdir()) == []
 
-    with pytest.raises(ValueError, match="cannot hold"):
+    with pytest.raises(UnsupportedDTypeError, match="cannot hold"):
         write_with_hpckpt(path, {"c": np.zeros(1, np.complex64)})
     assert list(tmp_path.iterdir()) == []
     # (dropped: "remain", "twice", "never written", "closed before", "aborted" tested the

@@ -71,7 +71,7 @@ class HyperParallelWriter:
         self._payloads: dict[str, bytes] = {}
 
     def _spelling(self, dtype: DType) -> str:
-        return (dtype.mindspore or dtype.torch) if self.mindspore else dtype.torch
+        return (dtype.ms_spelling or dtype.torch) if self.mindspore else dtype.torch
 
     def layout(self, plan: Plan, values: Mapping[str, Any]) -> OutputLayout:
         self._plan = plan

@@ -1,15 +1,17 @@
-"""PyTorch Distributed Checkpoint (DCP) directories: `.metadata` plus `__{rank}_{i}.distcp` files.
+"""PyTorch Distributed Checkpoint (DCP) directories: `.metadata` (or one `__{rank}.metadata` per
+rank, `metadata_files`) plus `__{rank}_{i}.distcp` files.
 
-`.metadata` is a pickle of `torch.distributed.checkpoint` classes, loaded through the safe
+The metadata is a pickle of `torch.distributed.checkpoint` classes, loaded through the safe
 unpickler into the mirrors of `core.torch_dcp_metadata`. Each stored item (a tensor chunk or a
 non-tensor value) is a complete torch.save zip record at the byte range its `_StorageInfo` gives;
-the locator parses that record's directory only when a chunk is asked for.
+the locator parses that record's directory only when a chunk is asked for. A value item that is
+no zip record is raw bytes (what a planner returning an `io.BytesIO` unsaved writes); a value
+record that holds tensors is read as its tensors and leaves (`nested`).
 """
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +23,6 @@ from hpckpt.core.errors import (
     EntryMismatchError,
     HpckptError,
     MissingFileError,
-    NotACheckpointError,
-    PathNotFoundError,
     UnknownFormatError,
 )
 from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry, parse_range_key
@@ -34,25 +34,23 @@ from hpckpt.core.torch_dcp_metadata import (
     TensorStorageMetadata,
     _StorageInfo,
 )
-from hpckpt.core.torch_zip import TensorRecord, load_record
-from hpckpt.core.unpickle import loads, safe_global, sniff_head
+from hpckpt.converters.torch_dcp import metadata_files, nested
+from hpckpt.converters.torch_dcp.metadata_files import RANK_FILE, RANK_LOCAL
+from hpckpt.core.torch_zip import ZIP_MAGIC, TensorRecord, load_record
 
-METADATA = ".metadata"
-_DCP_MODULE = "torch.distributed.checkpoint."
-_RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
-
-
-def _is_dcp_pickle(head: bytes) -> bool:
-    """True when the pickle opens with a torch.distributed.checkpoint class (even if truncated later)."""
-    return _DCP_MODULE.encode() in head
+METADATA = metadata_files.GLOBAL
+_ZIP_END, _ZIP_END_SIZE = b"PK\x05\x06", 22  # a zip's end-of-central-directory record (no comment)
 
 
 class TorchDcpLocator:
     """Finds chunk bytes by parsing the torch.save record at each item's byte range (cached)."""
 
-    def __init__(self, root: Path, transformed: dict[tuple[str, str], Any] | None = None):
+    def __init__(self, root: Path, transformed: dict[tuple[str, str], Any] | None = None,
+                 expanded: nested.Expanded | None = None):
         self.root = root
         self.transformed = transformed or {}
+        self.nested_tensors = expanded.records if expanded else {}  # (file, key) -> tensor inside a value record
+        self.leaves = expanded.leaves if expanded else {}  # value name -> leaf of a value record
         self._records: dict[tuple[str, int], Any] = {}
 
     def file_problems(self, relative: str) -> list[str]:
@@ -61,6 +59,10 @@ class TorchDcpLocator:
         return []
 
     def locate(self, chunk: Chunk, entry: TensorEntry) -> Location:
+        record = self.nested_tensors.get((chunk.file, chunk.key))
+        if record is not None:
+            self._check(record, chunk, entry)
+            return record.location(resolve_inside(self.root, chunk.file))
         path, record = self._record(chunk.file, chunk.key, entry.fqn)
         if not isinstance(record, TensorRecord):
             raise CorruptDataError(
@@ -70,8 +72,29 @@ class TorchDcpLocator:
         return record.location(path)
 
     def decode_value(self, entry: ValueEntry) -> Any:
-        _path, value = self._record(entry.file, f"{entry.offset}:{entry.length}", entry.fqn)
+        if entry.fqn in self.leaves:
+            return self.leaves[entry.fqn]
+        key = f"{entry.offset}:{entry.length}"
+        raw = self._raw_bytes(entry.file, key, entry.fqn)
+        if raw is not None:
+            return raw
+        _path, value = self._record(entry.file, key, entry.fqn)
         return value
+
+    def _raw_bytes(self, file: str, key: str, fqn: str) -> bytes | None:
+        """The item's bytes when they are no zip record (raw `io.BytesIO` content), else None.
+        A range that opens or ends like a zip is a record, so damage to one is still reported."""
+        if (file, key) in self.transformed:
+            return None  # refused by _record
+        offset, length = parse_range_key(key, fqn, CorruptMetadataError)
+        path = resolve_inside(self.root, file)
+        self._check_range(path, file, fqn, offset, length)
+        with open(path, "rb") as f:
+            fd = f.fileno()
+            if os.pread(fd, min(length, len(ZIP_MAGIC)), offset) == ZIP_MAGIC or (
+                    length >= _ZIP_END_SIZE and os.pread(fd, 4, offset + length - _ZIP_END_SIZE) == _ZIP_END):
+                return None
+            return os.pread(fd, length, offset)
 
     def _record(self, file: str, key: str, fqn: str) -> tuple[Path, Any]:
         """Return the absolute path and the parsed record of one item, checking file and range."""
@@ -120,84 +143,125 @@ class TorchDcpReader:
     name = "torch-dcp"
 
     def sniff(self, path: Path) -> bool:
-        meta = Path(path) / METADATA
-        if not meta.is_file():
-            return False
-        return _is_dcp_pickle(sniff_head(meta))
+        return metadata_files.sniff(Path(path))
 
     def read_index(self, path: Path) -> CheckpointIndex:
         root = Path(path)
-        metadata = _load_metadata(root)
-        lookup = _storage_lookup(metadata, root)
-        tensors: dict[str, TensorEntry] = {}
-        values: dict[str, ValueEntry] = {}
-        transformed: dict[tuple[str, str], Any] = {}
-        for fqn, item in metadata.state_dict_metadata.items():
-            if isinstance(item, TensorStorageMetadata):
-                tensors[fqn] = _tensor_entry(fqn, item, lookup, root, transformed)
-            elif isinstance(item, BytesStorageMetadata):
-                values[fqn] = _value_entry(fqn, lookup, root, transformed)
-            else:
-                raise UnknownFormatError(f"{root / METADATA}: {fqn!r} has unknown metadata {type(item).__name__}")
-        files = sorted({c.file for e in tensors.values() for c in e.chunks} | {v.file for v in values.values()})
-        notes = [f"{len(transformed)} item(s) are stored with transforms hpckpt cannot read"] if transformed else []
+        names = metadata_files.metadata_names(root)
+        merged = _Merged(root)
+        for name in names:
+            merged.add(name, metadata_files.load_metadata(root, name))
+        tensors = {fqn: TensorEntry(fqn, dtype, shape, chunks, dtype_spelling=dtype.torch)
+                   for fqn, (dtype, shape, chunks, _first) in merged.tensors.items()}
+        expanded = nested.expand(root, merged.order, tensors, merged.values, merged.planner, set(merged.transformed))
+        files = sorted({c.file for e in expanded.tensors.values() for c in e.chunks}
+                       | {v.file for v in expanded.values.values()})
+        transformed = merged.transformed
+        warnings = [f"{len(transformed)} item(s) are stored with transforms hpckpt cannot read"] if transformed else []
+        versions = sorted(set(merged.versions))
         return CheckpointIndex(
             root=root,
             format=self.name,
-            format_version=str(metadata.version) if getattr(metadata, "version", None) else "unknown",
+            format_version=",".join(versions) if versions else "unknown",
             framework="torch",
-            tensors=tensors,
-            values=values,
-            metadata_files=[METADATA],
+            tensors=expanded.tensors,
+            values=expanded.values,
+            metadata_files=names,
             data_files=files,
-            locator=TorchDcpLocator(root, transformed),
-            world_size=_world_size(files),
-            planner_data=metadata.planner_data if isinstance(metadata.planner_data, dict) else None,
-            notes=notes,
+            locator=TorchDcpLocator(root, transformed, expanded),
+            world_size=_world_size(files + names),
+            planner_data=expanded.planner if merged.has_planner or expanded.leaves or expanded.records else None,
+            warnings=warnings,
         )
 
 
-def _load_metadata(root: Path) -> Metadata:
-    """Read and safely unpickle `.metadata`, checking it has the shape of DCP metadata."""
-    if not root.exists():
-        raise PathNotFoundError(f"{root}: no such file or directory")
-    if not root.is_dir():
-        raise NotACheckpointError(f"{root}: a PyTorch DCP checkpoint is a directory")
-    meta = root / METADATA
-    try:
-        data = meta.read_bytes()
-    except FileNotFoundError:
-        raise NotACheckpointError(f"{root}: no {METADATA} file, not a PyTorch DCP checkpoint") from None
-    except OSError as exc:
-        raise MissingFileError(f"{meta}: cannot read ({exc.strerror})") from exc
-    metadata = loads(data, what=str(meta), resolver=safe_global)
-    if not isinstance(metadata, Metadata):
-        raise CorruptMetadataError(f"{meta}: holds {type(metadata).__name__}, not DCP Metadata")
-    if not isinstance(metadata.state_dict_metadata, dict) or not isinstance(metadata.storage_data, dict):
-        raise CorruptMetadataError(f"{meta}: state_dict_metadata or storage_data is missing")
-    return metadata
+class _Merged:
+    """The entries of every metadata file read, merged.
+
+    With one `.metadata` this is that file. Rank-local files each list one rank's items: a
+    tensor's chunks are the union of every rank's (replicas included, lowest rank first), a
+    value is read from the lowest rank that saved it (the copy torch's `dcp_to_torch_save`
+    reads); a name the files disagree on (dtype, shape, tensor or value, key path) is refused.
+    """
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.order: list[str] = []
+        self.tensors: dict[str, tuple[Any, tuple[int, ...], list[Chunk], str]] = {}  # dtype, shape, chunks, file
+        self.values: dict[str, ValueEntry] = {}
+        self._value_from: dict[str, str] = {}
+        self.planner: dict[str, tuple] = {}
+        self._planner_from: dict[str, str] = {}
+        self.has_planner = False
+        self.transformed: dict[tuple[str, str], Any] = {}
+        self.versions: list[str] = []
+
+    def add(self, name: str, metadata: Metadata) -> None:
+        where = self.root / name
+        lookup = _storage_lookup(metadata, where)
+        for fqn, item in metadata.state_dict_metadata.items():
+            if isinstance(item, TensorStorageMetadata):
+                dtype, shape, chunks = _tensor_item(fqn, item, lookup, self.root, where, self.transformed)
+                self._add_tensor(name, fqn, dtype, shape, chunks)
+            elif isinstance(item, BytesStorageMetadata):
+                value = _value_entry(fqn, lookup, self.root, where, self.transformed)
+                if fqn in self.tensors:
+                    self._conflict(fqn, "a tensor", self.tensors[fqn][3], "a value", name)
+                if fqn not in self.values:
+                    self.values[fqn], self._value_from[fqn] = value, name
+                    self.order.append(fqn)
+            else:
+                raise UnknownFormatError(f"{where}: {fqn!r} has unknown metadata {type(item).__name__}")
+        if isinstance(metadata.planner_data, dict):
+            self.has_planner = True
+            for fqn, path in metadata.planner_data.items():
+                if fqn in self.planner and self.planner[fqn] != path:
+                    self._conflict(fqn, f"at key path {self.planner[fqn]!r}", self._planner_from[fqn],
+                                   f"at {path!r}", name)
+                self.planner.setdefault(fqn, path)
+                self._planner_from.setdefault(fqn, name)
+        if getattr(metadata, "version", None):
+            self.versions.append(str(metadata.version))
+
+    def _add_tensor(self, name: str, fqn: str, dtype: Any, shape: tuple[int, ...], chunks: list[Chunk]) -> None:
+        if fqn in self.values:
+            self._conflict(fqn, "a value", self._value_from[fqn], "a tensor", name)
+        known = self.tensors.get(fqn)
+        if known is None:
+            self.tensors[fqn] = (dtype, shape, chunks, name)
+            self.order.append(fqn)
+        elif (known[0], known[1]) != (dtype, shape):
+            self._conflict(fqn, f"{known[0]} {list(known[1])}", known[3], f"{dtype} {list(shape)}", name)
+        else:
+            known[2].extend(chunks)
+
+    def _conflict(self, fqn: str, first: str, first_file: str, second: str, second_file: str) -> None:
+        raise CorruptMetadataError(
+            f"{self.root}: the metadata files disagree on {fqn!r}: {first} in {first_file}, {second} in {second_file}",
+            hint="rank-local metadata files of one checkpoint must describe the same entries alike",
+        )
 
 
-def _storage_lookup(metadata: Metadata, root: Path) -> dict[tuple[str, tuple | None], _StorageInfo]:
+def _storage_lookup(metadata: Metadata, where: Path) -> dict[tuple[str, tuple | None], _StorageInfo]:
     """Index storage_data by (fqn, chunk offsets); byte items have offsets None."""
     lookup = {}
     for key, info in metadata.storage_data.items():
         if not isinstance(key, MetadataIndex) or not isinstance(info, _StorageInfo):
-            raise CorruptMetadataError(f"{root / METADATA}: storage_data entry {key!r} is malformed")
+            raise CorruptMetadataError(f"{where}: storage_data entry {key!r} is malformed")
         offset = tuple(key.offset) if key.offset is not None else None
         lookup[(key.fqn, offset or None)] = info
     return lookup
 
 
-def _find_info(lookup: dict, fqn: str, offsets: tuple | None, root: Path) -> _StorageInfo:
+def _find_info(lookup: dict, fqn: str, offsets: tuple | None, where: Path) -> _StorageInfo:
     info = lookup.get((fqn, offsets or None))
     if info is None:
-        where = f" chunk at offsets {list(offsets)}" if offsets else ""
-        raise CorruptMetadataError(f"{root / METADATA}: {fqn!r}{where} has no storage_data entry")
+        at = f" chunk at offsets {list(offsets)}" if offsets else ""
+        raise CorruptMetadataError(f"{where}: {fqn!r}{at} has no storage_data entry")
     return info
 
 
-def _checked_item(fqn: str, info: _StorageInfo, root: Path, transformed: dict) -> tuple[str, int, int]:
+def _checked_item(fqn: str, info: _StorageInfo, root: Path, where: Path, transformed: dict) -> tuple[str, int, int]:
     """Return (relative file, offset, length) of an item, refusing paths outside the checkpoint."""
     try:
         resolve_inside(root, info.relative_path)
@@ -207,32 +271,34 @@ def _checked_item(fqn: str, info: _StorageInfo, root: Path, transformed: dict) -
         exc.args = (exc.message,)
         raise
     except (TypeError, ValueError):
-        raise CorruptMetadataError(f"{root / METADATA}: item {fqn!r} has a malformed byte range") from None
+        raise CorruptMetadataError(f"{where}: item {fqn!r} has a malformed byte range") from None
     if getattr(info, "transform_descriptors", None):
         transformed[(info.relative_path, f"{offset}:{length}")] = info.transform_descriptors
     return info.relative_path, offset, length
 
 
-def _tensor_entry(fqn: str, item: TensorStorageMetadata, lookup: dict, root: Path, transformed: dict) -> TensorEntry:
+def _tensor_item(fqn: str, item: TensorStorageMetadata, lookup: dict, root: Path, where: Path,
+                 transformed: dict) -> tuple[Any, tuple[int, ...], list[Chunk]]:
     props = item.properties
     spelling = getattr(props, "dtype", None)
     dtype = dtypes.dtype(spelling) if spelling is not None else None
     if dtype is None:
-        raise CorruptMetadataError(f"{root / METADATA}: tensor {fqn!r} has no dtype")
+        raise CorruptMetadataError(f"{where}: tensor {fqn!r} has no dtype")
     chunks = []
     for chunk in item.chunks:
         offsets, sizes = tuple(int(o) for o in chunk.offsets), tuple(int(s) for s in chunk.sizes)
-        file, offset, length = _checked_item(fqn, _find_info(lookup, fqn, offsets, root), root, transformed)
+        file, offset, length = _checked_item(fqn, _find_info(lookup, fqn, offsets, where), root, where, transformed)
         chunks.append(Chunk(Box(offsets, sizes), file=file, key=f"{offset}:{length}"))
-    return TensorEntry(fqn, dtype, tuple(int(n) for n in item.size), chunks, dtype_spelling=dtype.torch)
+    return dtype, tuple(int(n) for n in item.size), chunks
 
 
-def _value_entry(fqn: str, lookup: dict, root: Path, transformed: dict) -> ValueEntry:
-    file, offset, length = _checked_item(fqn, _find_info(lookup, fqn, None, root), root, transformed)
+def _value_entry(fqn: str, lookup: dict, root: Path, where: Path, transformed: dict) -> ValueEntry:
+    file, offset, length = _checked_item(fqn, _find_info(lookup, fqn, None, where), root, where, transformed)
     return ValueEntry(fqn, file, offset, length, encoding="torch_save")
 
 
-def _world_size(files: list[str]) -> int | None:
-    """At least max rank + 1 ranks saved, from `__{rank}_{i}.distcp` names."""
-    ranks = [int(m.group(1)) for f in files if (m := _RANK_FILE.match(os.path.basename(f)))]
+def _world_size(names: list[str]) -> int | None:
+    """At least max rank + 1 ranks saved, from `__{rank}_{i}.distcp` and `__{rank}.metadata` names."""
+    ranks = [int(m.group(1)) for f in names
+             if (m := RANK_FILE.match(os.path.basename(f)) or RANK_LOCAL.match(os.path.basename(f)))]
     return max(ranks) + 1 if ranks else None

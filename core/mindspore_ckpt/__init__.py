@@ -24,14 +24,15 @@ Facts (MindSpore 2.10, `train/serialization.py` and `checkpoint.proto`):
   little-endian magic, 0x7F3A5ED8 (AES-GCM), 0x7F3A5ED9 (AES-CBC), 0x7F3A5EDA (SM4-CBC). A plain
   `.ckpt` always starts with 0x0A (field 1, length-delimited), so the two never collide.
 
-Modules: `wire` (the protobuf fields, both ways), `scan` (what a walk finds, single reads, the
-CRC), `sniff` (telling a `.ckpt` by its first bytes). No torch or mindspore import: this package
-is on the CLI's start-up path.
+Modules: `wire` (the protobuf fields, both ways), `scan` (what a walk finds, single reads),
+`crc` (the trailer's check, streamed, once per file), `sniff` (telling a `.ckpt` by its first
+bytes). No torch or mindspore import: this package is on the CLI's start-up path.
 """
 
 from __future__ import annotations
 
 from hpckpt.core.dtypes import DType
+from hpckpt.core.errors import UnsupportedDTypeError
 from hpckpt.core.mindspore_ckpt.scan import (  # noqa: F401  (the reading API)
     _BY_SPELLING,
     CRC_MARK,
@@ -45,8 +46,8 @@ from hpckpt.core.mindspore_ckpt.scan import (  # noqa: F401  (the reading API)
     decode_string,
     read_string,
     scan,
-    verify_crc,
 )
+from hpckpt.core.mindspore_ckpt.crc import CrcGate, verify_crc  # noqa: F401
 from hpckpt.core.mindspore_ckpt.sniff import ENCRYPTION_MAGICS, encryption_mode, sniff  # noqa: F401
 from hpckpt.core.mindspore_ckpt.wire import piece_header  # noqa: F401
 
@@ -55,9 +56,22 @@ from hpckpt.core.mindspore_ckpt.wire import piece_header  # noqa: F401
 SPLIT_BYTES = 512 * 1024 * 1024
 
 
-def writable_spelling(dtype: DType) -> str:
-    """The tensor_type MindSpore's loader reads for `dtype`, or ValueError."""
+def writable_spelling(dtype: DType, fqn: str | None = None) -> str:
+    """The tensor_type MindSpore's loader reads for `dtype`: never one it refuses.
+
+    MindSpore 2.10's `load_checkpoint` accepts Bool, Int8-Int64, UInt8-UInt64, Float16, BFloat16,
+    Float32, Float64 (and str, Int4) and fails on anything else, Complex64/128 and Float8E4M3FN,
+    Float8E5M2, HiFloat8 included (checked by loading each; `tests/test_mindspore_ckpt_integrity.py`).
+
+    Raises:
+        UnsupportedDTypeError: `dtype` is none of those (complex, float8).
+    """
     if dtype.mindspore not in _BY_SPELLING:  # None included: it is no key
-        raise ValueError(f"MindSpore .ckpt cannot hold {dtype} tensors")
+        what = f"{fqn!r} is {dtype}: " if fqn else ""
+        raise UnsupportedDTypeError(
+            f"{what}a MindSpore .ckpt cannot hold {dtype} tensors (MindSpore's load_checkpoint reads "
+            f"{', '.join(sorted(_BY_SPELLING))} only)",
+            hint="leave it out with --exclude" + (", or cast it with --dtype" if dtype.is_floating else ""),
+        )
     return dtype.mindspore
 

@@ -1,11 +1,10 @@
 """What a walk of a `.ckpt` finds: tensors (joined from split Values), `str` values, entries
-hpckpt does not read, the CRC trailer; and the reads of single values and of the CRC."""
+hpckpt does not read, where the CRC trailer is (checked by `crc`); and the reads of single values."""
 
 from __future__ import annotations
 
 import math
 import os
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -21,7 +20,6 @@ from hpckpt.core.mindspore_ckpt.wire import _Cursor, _RawValue, _walk
 CRC_MARK = b"crc_num"
 CRC_TRAILER_BYTES = len(CRC_MARK) + 10
 STRING_TYPE = "str"
-CRC_BLOCK_BYTES = 8 * 1024 * 1024
 
 # The tensor types MindSpore's loader accepts (`tensor_to_ms_type`), other than str and Int4.
 _BY_SPELLING: dict[str, DType] = {
@@ -102,6 +100,7 @@ class CkptScan:
     strings: dict[str, CkptString] = field(default_factory=dict)
     unsupported: dict[str, CkptUnsupported] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # what a conversion from it must repeat
 
     @property
     def has_crc(self) -> bool:
@@ -177,7 +176,7 @@ def _add_run(scan: CkptScan, run: list[_RawValue]) -> None:
     name = first.tag
     for table in (scan.tensors, scan.strings, scan.unsupported):
         if table.pop(name, None) is not None:
-            scan.notes.append(f"{name}: stored twice; the later copy wins, as in MindSpore's loader")
+            scan.warnings.append(f"{name}: stored twice; the later copy wins, as in MindSpore's loader")
     if first.kind == "maptensor":
         scan.unsupported[name] = CkptUnsupported(name, first.offset, "maptensor (MapParameter) entries are not read by hpckpt")
         return
@@ -238,40 +237,6 @@ def scan(path: Path | str) -> CkptScan:
     for run in _runs(values):
         _add_run(result, run)
     return result
-
-
-def verify_crc(path: Path | str) -> bool:
-    """Check the CRC trailer by streaming the file; False when there is no trailer.
-
-    Raises:
-        CorruptDataError: the CRC-32 of the bytes before the trailer differs from the stored one.
-    """
-    path = Path(path)
-    with _open(path) as f:
-        size = os.fstat(f.fileno()).st_size
-        proto_end, stored = _trailer(f, size)
-        if stored is None:
-            return False
-        f.seek(0)
-        computed = _crc_of(f, proto_end, path)
-    if computed != stored:
-        raise CorruptDataError(
-            f"{path}: CRC-32 mismatch: the trailer says {stored:#010x}, the {proto_end} bytes "
-            f"before it hash to {computed:#010x}"
-        )
-    return True
-
-
-def _crc_of(f: BinaryIO, nbytes: int, path: Path) -> int:
-    buf = memoryview(bytearray(min(CRC_BLOCK_BYTES, max(nbytes, 1))))
-    crc, done = 0, 0
-    while done < nbytes:
-        n = f.readinto(buf[: min(len(buf), nbytes - done)])
-        if not n:
-            raise CorruptDataError(f"{path}: truncated while checking the CRC at offset {done}")
-        crc = zlib.crc32(buf[:n], crc)
-        done += n
-    return crc
 
 
 def decode_string(raw: bytes, where: str) -> str:

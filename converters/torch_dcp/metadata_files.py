@@ -1,0 +1,103 @@
+"""Which metadata files make up a PyTorch DCP checkpoint, and reading one of them safely.
+
+A save with collectives writes one `.metadata` for every rank. `dcp.save(...,
+use_collectives=False)` (torch 2.13) has no coordinator: each rank writes `__{rank}.metadata`
+listing only its own items (its shards, its own copy of replicated tensors and values) and
+`__{rank}_{i}.distcp` data files, and no `.metadata`. Such a checkpoint is read as the union of
+every rank's metadata; a rank whose metadata is missing would silently lose its shards, so it
+is refused. When both kinds exist, `.metadata` wins, as in torch's own reader.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hpckpt.core.errors import (
+    CorruptMetadataError,
+    MissingFileError,
+    NotACheckpointError,
+    PathNotFoundError,
+)
+from hpckpt.core.torch_dcp_metadata import Metadata
+from hpckpt.core.unpickle import loads, safe_global, sniff_head
+
+GLOBAL = ".metadata"
+_DCP_MODULE = b"torch.distributed.checkpoint."
+RANK_LOCAL = re.compile(r"^__(\d+)\.metadata$")
+RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+
+
+def is_dcp_pickle(head: bytes) -> bool:
+    """True when the pickle opens with a torch.distributed.checkpoint class (even if truncated later)."""
+    return _DCP_MODULE in head
+
+
+def rank_local_files(root: Path) -> list[tuple[int, str]]:
+    """`(rank, name)` of every `__{rank}.metadata` in `root`, by rank."""
+    try:
+        children = list(root.iterdir())
+    except OSError:
+        return []
+    found = [(int(m.group(1)), c.name) for c in children if (m := RANK_LOCAL.match(c.name)) and c.is_file()]
+    return sorted(found)
+
+
+def sniff(root: Path) -> bool:
+    """A directory with a DCP `.metadata`, or with rank-local metadata whose first file is DCP's."""
+    if (root / GLOBAL).is_file():
+        return is_dcp_pickle(sniff_head(root / GLOBAL))
+    ranked = rank_local_files(root) if root.is_dir() else []
+    return bool(ranked) and is_dcp_pickle(sniff_head(root / ranked[0][1]))
+
+
+def metadata_names(root: Path) -> list[str]:
+    """The metadata files to read: `[".metadata"]`, else every rank's `__{rank}.metadata`.
+
+    Raises:
+        PathNotFoundError, NotACheckpointError: no checkpoint directory, or no metadata at all.
+        MissingFileError: a rank's metadata is missing while other ranks' (or its data files) exist.
+    """
+    if not root.exists():
+        raise PathNotFoundError(f"{root}: no such file or directory")
+    if not root.is_dir():
+        raise NotACheckpointError(f"{root}: a PyTorch DCP checkpoint is a directory")
+    if (root / GLOBAL).is_file():
+        return [GLOBAL]
+    ranked = rank_local_files(root)
+    if not ranked:
+        raise NotACheckpointError(f"{root}: no {GLOBAL} file, not a PyTorch DCP checkpoint")
+    _check_every_rank(root, {rank for rank, _ in ranked})
+    return [name for _, name in ranked]
+
+
+def _check_every_rank(root: Path, have: set[int]) -> None:
+    """Every rank from 0 to the highest one seen (in metadata or data file names) has metadata."""
+    with_data = {int(m.group(1)) for c in root.iterdir() if (m := RANK_FILE.match(c.name))}
+    missing = sorted(set(range(max(have | with_data) + 1)) - have)
+    if not missing:
+        return
+    described = ", ".join(f"__{r}.metadata" + (f" (rank {r} wrote data files)" if r in with_data else "")
+                          for r in missing)
+    raise MissingFileError(
+        f"{root}: rank-local PyTorch DCP checkpoint lacks {described}; "
+        f"found metadata of rank(s) {', '.join(map(str, sorted(have)))}",
+        hint="every rank of a use_collectives=False save writes its own __{rank}.metadata last: an interrupted save?",
+    )
+
+
+def load_metadata(root: Path, name: str) -> Metadata:
+    """Read and safely unpickle one metadata file, checking it has the shape of DCP metadata."""
+    path = root / name
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise NotACheckpointError(f"{root}: no {name} file, not a PyTorch DCP checkpoint") from None
+    except OSError as exc:
+        raise MissingFileError(f"{path}: cannot read ({exc.strerror})") from exc
+    metadata = loads(data, what=str(path), resolver=safe_global)
+    if not isinstance(metadata, Metadata):
+        raise CorruptMetadataError(f"{path}: holds {type(metadata).__name__}, not DCP Metadata")
+    if not isinstance(metadata.state_dict_metadata, dict) or not isinstance(metadata.storage_data, dict):
+        raise CorruptMetadataError(f"{path}: state_dict_metadata or storage_data is missing")
+    return metadata

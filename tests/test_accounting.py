@@ -1,0 +1,179 @@
+"""Nothing lost, nothing silently wrong: the checks every write passes through (`core.accounting`),
+exact coverage of the boxes a copy fills (`core.overlap`), and sources that change under a run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hp_reference import copy_fixture, write_hp
+
+from hpckpt import api
+from hpckpt.api import pipeline
+from hpckpt.api.layouts import source_layout
+from hpckpt.converters import format_named, open_index
+from hpckpt.converters.hyperparallel.writer import HyperParallelWriter
+from hpckpt.core import validate
+from hpckpt.core.accounting import AccountingError
+from hpckpt.core.engine import copy_range
+from hpckpt.core.errors import CorruptDataError
+from hpckpt.core.output import OutputLayout
+from hpckpt.core.write import WriteSettings
+
+W = np.arange(16, dtype=np.float32).reshape(4, 4)
+
+
+def run_hpckpt(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hpckpt", *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.parametrize("command", [
+    ["consolidate", "{src}", "-o", "{out}.safetensors"],
+    ["convert", "{src}", "-o", "{out}.pt"],
+    ["reshard", "{src}", "-o", "{out}", "--world-size", "2"],
+])
+def test_an_overlap_cannot_hide_a_hole(tmp_path, command):
+    src = write_hp(tmp_path / "src", {"w": ("torch.float32", (4, 4), [
+        ("_rank0_.safetensors", "w", (0, 0), W[:3]),  # rows 0-2
+        ("_rank1_.safetensors", "w", (2, 0), W[2:3]),  # row 2 again, 4 elements: 16 in all; row 3 missing
+    ])})
+    out = tmp_path / "out"
+    argv = [a.format(src=src, out=out) for a in command]
+    proc = run_hpckpt(*argv)
+    assert proc.returncode == 11, proc.stderr
+    (line,) = error_lines(proc.stderr)
+    assert "[3:4, 0:4]" in line and "Traceback" not in proc.stderr, proc.stderr
+    assert not any(p.name.startswith("out") for p in tmp_path.iterdir()), list(tmp_path.iterdir())
+
+
+def test_overlapping_chunks_that_cover_everything_are_copied(tmp_path):
+    src = write_hp(tmp_path / "src", {"w": ("torch.float32", (4, 4), [
+        ("_rank0_.safetensors", "w", (0, 0), W[:3]),
+        ("_rank1_.safetensors", "w", (1, 0), W[1:]),  # rows 1-2 twice, every row stored
+    ])})
+    out = tmp_path / "out.safetensors"
+    api.consolidate(src, out, "safetensors")
+    from safetensors.numpy import load_file
+
+    assert np.array_equal(load_file(out)["w"], W)
+
+
+def test_verify_finds_an_overlap_on_a_grid_too_large_to_draw(tmp_path, monkeypatch):
+    """Past MAX_GRID_CELLS verify counts elements; an overlap is still reported, never passed."""
+    src = write_hp(tmp_path / "src", {"w": ("torch.float32", (4, 4), [
+        ("_rank0_.safetensors", "w", (0, 0), W[:3]),
+        ("_rank1_.safetensors", "w", (2, 0), W[2:3]),
+    ])})
+    monkeypatch.setattr(validate, "MAX_GRID_CELLS", 1)
+    findings = validate.validate(open_index(src))
+    assert [f.kind for f in findings] == ["geometry"], findings
+    assert "overlap" in findings[0].message
+
+
+class DroppingWriter(HyperParallelWriter):
+    """The real HyperParallel writer with one box of `w` left out of its layout: a writer bug."""
+
+    def layout(self, plan, values):
+        layout = super().layout(plan, values)
+        first = next(f for f in layout.files if f.boxes)
+        files = tuple(replace(f, boxes=f.boxes[1:]) if f is first else f for f in layout.files)
+        return OutputLayout(files, layout.skipped, layout.converted)
+
+
+class ForgetfulWriter(HyperParallelWriter):
+    """The real HyperParallel writer whose metadata forgets every value: a writer bug."""
+
+    def layout(self, plan, values):
+        return super().layout(replace(plan, values=()), {})
+
+
+@pytest.mark.parametrize("writer", [DroppingWriter, ForgetfulWriter])
+def test_a_writer_that_loses_an_entry_fails_before_the_destination_exists(tmp_path, writer):
+    src = copy_fixture("m0-torch-4rank", tmp_path / "src")
+    index = open_index(src)
+    fmt = replace(format_named("hyperparallel"), writer=writer)
+    target = pipeline.Target(fmt, source_layout(index))
+    with pytest.raises(AccountingError) as caught:
+        pipeline.write("reshard", src, tmp_path / "out", index, target, WriteSettings(sync=False))
+    assert caught.value.exit_code == 1
+    assert ("did not place" if writer is DroppingWriter else "value") in caught.value.message, caught.value.message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_source_truncated_during_a_copy_is_corrupt_data(tmp_path):
+    src, dst = tmp_path / "src.bin", tmp_path / "dst.bin"
+    src.write_bytes(b"x" * 1000)
+    with open(src, "rb") as s, open(dst, "wb") as d:
+        copy_range(s.fileno(), d.fileno(), 1000, 0, 0, src)
+        with pytest.raises(CorruptDataError) as caught:
+            copy_range(s.fileno(), d.fileno(), 600, 500, 0, src)
+    assert "truncated" in caught.value.message and str(src) in caught.value.message
+
+
+def test_a_source_truncated_after_its_metadata_was_read(tmp_path):
+    src = copy_fixture("m0-torch-4rank", tmp_path / "src")
+    index = open_index(src)
+    for data in src.glob("_rank*_.safetensors"):
+        os.truncate(data, data.stat().st_size - 8)
+    with pytest.raises(CorruptDataError):
+        api.convert(src, tmp_path / "out.pt", index=index)
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_skipped_entries_are_reported_with_their_reasons_in_json_and_on_stderr(tmp_path):
+    import torch
+
+    src = tmp_path / "src.pt"
+    torch.save({"w": torch.ones(2), "empty": torch.empty(0, 3), "pair": (1, 2)}, src)
+    proc = run_hpckpt("convert", src, "-o", tmp_path / "out.ckpt", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    reasons = {s["name"]: s["reason"] for s in report["skipped"]}
+    assert set(reasons) == {"empty", "pair"} and all(reasons.values())
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: not written")]
+    assert len(warnings) == 2 and any("empty" in w for w in warnings) and any("pair" in w for w in warnings)
+
+
+# --------------------------------------------------------------------------------------------
+# The invariant over every source format x every target format
+
+
+from test_conformance import SAMPLE_IDS, WRITERS, destination, samples  # noqa: E402,F401  (samples: fixture)
+
+
+@pytest.mark.parametrize("fmt", WRITERS, ids=[f.name for f in WRITERS])
+@pytest.mark.parametrize("sample_id", SAMPLE_IDS)
+def test_every_source_entry_is_written_or_reported(samples, tmp_path, sample_id, fmt):  # noqa: F811
+    """Each tensor and value of a producer's checkpoint is in hpckpt's output in its kind (read back
+    by hpckpt), or named with a reason in `skipped` (or `converted`, for a value stored as a tensor)."""
+    sample = samples(sample_id)
+    source = open_index(sample.path)
+    dst = destination(fmt, tmp_path)
+    report = api.convert(sample.path, dst, fmt.name, settings=WriteSettings(sync=False))
+    skipped = {s["name"]: s["reason"] for s in report["skipped"]}
+    converted = {s["name"]: s["reason"] for s in report["converted"]}
+    assert all(skipped.values()) and all(converted.values()), report.to_json()
+    out = open_index(dst)
+    for fqn, entry in source.tensors.items():
+        if fqn in skipped:
+            continue
+        assert fqn in out.tensors, (fqn, sorted(out.tensors))
+        assert (out.tensors[fqn].dtype, tuple(out.tensors[fqn].shape)) == (entry.dtype, tuple(entry.shape)), fqn
+    for fqn in source.values:
+        if fqn in skipped:
+            continue
+        where = out.tensors if fqn in converted else out.values
+        leaves = [n for n in out.values if n.startswith(fqn + ".")]  # a dict value nested, read back as leaves
+        assert fqn in where or leaves, (fqn, "converted" if fqn in converted else "value", sorted(out.values))
+    known = set(source.tensors) | set(source.values)
+    assert all(n in known or any(n.startswith(k + ".") for k in source.values) for n in [*out.tensors, *out.values])
