@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import os
 import threading
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 from typing import Callable
 
@@ -24,6 +24,7 @@ import numpy as np
 
 from hpckpt.core.box import Box
 from hpckpt.core.cast import cast
+from hpckpt.core.checksums import CRC_BLOCK_BYTES, check_source, crc_of  # noqa: F401 (CRC_BLOCK_BYTES: tests)
 from hpckpt.core.durable import fsync_files, start_writeback
 from hpckpt.core.errors import CorruptDataError
 from hpckpt.core.index import BufferLocation, CheckpointIndex, Chunk, Location
@@ -36,7 +37,6 @@ from hpckpt.core.tiles import contiguous_in, contiguous_tiles, linear
 DEFAULT_MAX_MEMORY = 64 * 1024 * 1024  # tiles this size already move at disk speed
 WRITEBACK_SPAN = 8 * 1024 * 1024  # writeback is started in aligned spans of this size (4-32 MiB measured alike)
 WRITE_PIECE, WRITE_ALIGN = 2 * 1024 * 1024, 64 * 1024  # how gathered bytes are handed to pwrite
-CRC_BLOCK_BYTES = 8 * 1024 * 1024
 Progress = Callable[[int], None]
 
 
@@ -96,26 +96,6 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         done += os.pwrite(fd, data[done:done + n], at)
 
 
-_CRC_BUFFERS = threading.local()
-
-
-def crc_of(fd: int, extents: tuple[Extent, ...] | list[Extent]) -> int:
-    """CRC-32 of the bytes at `extents` of `fd`, in order, read back through one buffer per
-    thread (reused: a fresh buffer per range would page-fault its memory in every time)."""
-    total = sum(e.nbytes for e in extents)
-    buffer = getattr(_CRC_BUFFERS, "buffer", None)
-    if buffer is None or len(buffer) < min(total, CRC_BLOCK_BYTES):
-        buffer = _CRC_BUFFERS.buffer = bytearray(max(1, min(total, CRC_BLOCK_BYTES)))
-    view, crc = memoryview(buffer), 0
-    for extent in extents:
-        done = 0
-        while done < extent.nbytes:
-            n = os.preadv(fd, [view[: min(len(view), extent.nbytes - done)]], extent.offset + done)
-            if n <= 0:
-                raise OSError(f"{extent.nbytes - done} bytes missing at offset {extent.offset + done}")
-            crc = zlib.crc32(view[:n], crc)
-            done += n
-    return crc
 
 
 Pieces = list[tuple[Chunk, Box]]
@@ -259,10 +239,28 @@ def _fill_file(path: Path, layout: FileLayout, index: CheckpointIndex, pieces: d
         os.close(fd)
 
 
+def source_checksums(index: CheckpointIndex, placements: list[Placement],
+                     pieces: dict[int, Pieces]) -> dict[tuple[Path, int, int], int]:
+    """The byte ranges of the source a copy reads from whose CRC-32 the format stores (torch.save
+    storages), as `{(path, offset, nbytes): crc}`: each is checked once, whatever reads it."""
+    seen: set[int] = set()
+    out: dict[tuple[Path, int, int], int] = {}
+    for placement in placements:
+        entry = index.tensors[placement.tensor.fqn]
+        for chunk, _region in pieces[id(placement)]:
+            if id(chunk) not in seen:
+                seen.add(id(chunk))
+                loc = index.locate(chunk, entry)
+                if isinstance(loc, Location) and loc.checksum is not None:
+                    offset, nbytes, crc = loc.checksum
+                    out[(loc.path, offset, nbytes)] = crc
+    return out
+
+
 def _crc_at(path: Path, extents: tuple[Extent, ...]) -> int:
     fd = os.open(path, os.O_RDONLY)
     try:
-        return crc_of(fd, extents)
+        return crc_of(fd, extents, path)
     finally:
         os.close(fd)
 
@@ -297,7 +295,9 @@ def execute(layout: OutputLayout, index: CheckpointIndex, out_dir: Path, *, jobs
             sync: bool = True) -> Executed:
     """Create and fill every data file of `layout` in `out_dir`.
 
-    The files are not yet durable: `finish` writes the writer's patches and fsyncs them.
+    The files are not yet durable: `finish` writes the writer's patches and fsyncs them. The
+    source ranges whose CRC-32 their format records are checked meanwhile, on the same workers;
+    a mismatch fails the run (its output is never committed).
     """
     jobs = max(1, jobs or default_jobs())
     lock = threading.Lock()
@@ -310,10 +310,14 @@ def execute(layout: OutputLayout, index: CheckpointIndex, out_dir: Path, *, jobs
     placements = [p for f in layout.files for p in f.boxes]
     pieces = source_pieces(index, placements)
     budget = max(1, max_memory // max(1, min(jobs, len(layout.files))))  # per file being filled at once
+    checks = source_checksums(index, placements, pieces)
     crcs: list[tuple[str, Future]] = []
     with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="hpckpt-engine") as pool:
-        fills = [pool.submit(_fill_file, out_dir / f.name, f, index, pieces, budget, report, sync, pool, crcs)
-                 for f in layout.files]
+        # the sources' checks interleaved with the fills, so that they run while the disk writes
+        work = [(check_source, (path, offset, nbytes, crc)) for (path, offset, nbytes), crc in checks.items()]
+        files = [(_fill_file, (out_dir / f.name, f, index, pieces, budget, report, sync, pool, crcs)) for f in layout.files]
+        order = [job for pair in zip_longest(files, work) for job in pair if job is not None]
+        fills = [pool.submit(fn, *args) for fn, args in order]
         for future in fills:
             future.result()
         return Executed({name: future.result() for name, future in crcs}, _rank_stats(placements, pieces))

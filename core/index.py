@@ -34,7 +34,9 @@ class Location:
     """Where a stored chunk's elements are: absolute byte offset of element 0 and its layout.
 
     `strides` are in elements (None: C-contiguous in `shape`). `stored_dtype`/`stored_shape` are
-    what the data file itself says, which `verify` compares with the metadata.
+    what the data file itself says, which `verify` compares with the metadata. `checksum` is
+    `(offset, nbytes, crc32)` of a byte range holding the chunk whose CRC-32 the format stores
+    (a torch.save storage's zip member): the engine checks it for every range it copies from.
     """
 
     path: Path
@@ -43,6 +45,7 @@ class Location:
     stored_dtype: DType
     stored_shape: tuple[int, ...]
     strides: tuple[int, ...] | None = None
+    checksum: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,8 @@ class TensorRecord:
     strides: tuple[int, ...]  # in elements
     offset: int  # absolute byte offset in the outer file of element [0, ..., 0]
     storage_nbytes: int  # bytes of the storage member holding the tensor
+    storage_offset: int = -1  # absolute byte offset of that member's data (-1: unknown)
+    storage_crc: int | None = None  # the CRC-32 its zip entry records
 
     @property
     def is_contiguous(self) -> bool:
@@ -44,6 +46,8 @@ class TensorRecord:
             stored_dtype=self.dtype,
             stored_shape=self.shape,
             strides=None if self.is_contiguous else self.strides,
+            checksum=(self.storage_offset, self.storage_nbytes, self.storage_crc)
+            if self.storage_crc is not None and self.storage_offset >= 0 else None,
         )
 
 

@@ -5,28 +5,29 @@ storages), `<prefix>/data/<key>` (raw little-endian storage bytes) and small rec
 `byteorder`. PyTorch DCP embeds one such zip per item at a byte range of a `.distcp` file, so
 everything here works on a window `[start, start + length)` of a larger file and reports absolute
 offsets in that outer file. Only the central directory, the local headers and `data.pkl` are read:
-tensor bytes stay on disk until a reader asks for a `Location`.
+tensor bytes stay on disk until a reader asks for a `Location`, which carries its storage's
+CRC-32 from the zip directory, so that every copy from it is checked (`core.checksums`). What the
+pickle's globals stand for is `core.torch_globals`.
 """
 
 from __future__ import annotations
 
-import collections
 import io
-import math
 import os
 import pickle
 import struct
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpckpt.core import dtypes
 from hpckpt.core.dtypes import DType
-from hpckpt.core.errors import CorruptDataError, HpckptError, UnsafePickleError
+from hpckpt.core.errors import CorruptDataError, HpckptError
 from hpckpt.core.read import open_data_file
-from hpckpt.core.torch_records import BytesIOState, TensorRecord, span_elements, without_bytes_io
-from hpckpt.core.unpickle import Resolver, SafeUnpickler, safe_global
+from hpckpt.core.torch_globals import Storage, StorageType, record_global
+from hpckpt.core.torch_records import BytesIOState, TensorRecord, without_bytes_io
+from hpckpt.core.unpickle import Resolver, SafeUnpickler
+
+__all__ = ["ZIP_MAGIC", "TensorRecord", "is_zip_record", "load_record", "record_global"]
 
 ZIP_MAGIC = b"PK\x03\x04"
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, (skipped fields), name length, extra length
@@ -102,22 +103,6 @@ class _FileWindow(io.RawIOBase):
 # --- the archive ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Storage:
-    """A storage the pickle referred to: its dtype (None: untyped) and where its bytes are."""
-
-    dtype: DType | None
-    data_offset: int  # absolute, in the outer file
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class _StorageType:
-    """What `torch.FloatStorage` & co. resolve to: only their element type matters here."""
-
-    dtype: DType | None
-
-
 class _Archive:
     """One parsed zip record: member lookup and the absolute offset of each member's data."""
 
@@ -181,126 +166,13 @@ def _check_byteorder(archive: _Archive) -> None:
 
 # --- unpickling data.pkl --------------------------------------------------------------------------
 
-# Storage classes torch.save names: the legacy typed storages of the table's `torch_storage`
-# column (quantized ones included, so that they are refused as a dtype, not as an unsafe pickle),
-# and UntypedStorage, whose tensors name their dtype in `_rebuild_tensor_v3`.
-def _storage_types() -> dict[tuple[str, str], _StorageType]:
-    table = {("torch", d.torch_storage): _StorageType(d) for d in dtypes.all_dtypes() if d.torch_storage}
-    for module in ("torch", "torch.storage"):
-        table[(module, "UntypedStorage")] = _StorageType(None)
-    return table
-
-
-def _rebuild_qtensor(storage, storage_offset, size, stride, *_ignored) -> TensorRecord:
-    """`torch._utils._rebuild_qtensor`: kept as a record of its quantized dtype, which every
-    format refuses; its bytes are not checked (quint4x2 packs two values per byte)."""
-    if not isinstance(storage, _Storage) or storage.dtype is None or storage.dtype.refusal is None:
-        raise CorruptDataError("_rebuild_qtensor on a storage that is not a quantized one")
-    shape, strides = tuple(int(n) for n in size), tuple(int(s) for s in stride)
-    offset = storage.data_offset + int(storage_offset) * storage.dtype.itemsize
-    return TensorRecord(storage.dtype, shape, strides, offset, storage.nbytes)
-
-
-# The quantization schemes a quantized tensor's parameters name (kept as their names).
-_QSCHEMES = ("per_tensor_affine", "per_channel_affine", "per_tensor_symmetric",
-             "per_channel_symmetric", "per_channel_affine_float_qparams")
-
-
-class _TensorType:
-    """Stand-in for `torch.Tensor`/`torch.nn.Parameter` as the type argument of a rebuild."""
-
-
-def _tensor(storage: _Storage, storage_offset: int, size: Any, stride: Any, dtype: DType | None) -> TensorRecord:
-    """Build a TensorRecord and check that the view it describes lies inside its storage."""
-    if not isinstance(storage, _Storage):
-        raise CorruptDataError(f"tensor rebuilt from {type(storage).__name__}, not from a storage")
-    dtype = dtype or storage.dtype
-    if dtype is None:
-        raise CorruptDataError("tensor on an untyped storage without a dtype")
-    shape, strides = tuple(int(n) for n in size), tuple(int(s) for s in stride)
-    if len(shape) != len(strides) or min(shape + strides + (storage_offset,), default=0) < 0:
-        raise CorruptDataError(f"tensor view size={shape} stride={strides} offset={storage_offset} is invalid")
-    end = (storage_offset + span_elements(shape, strides)) * dtype.itemsize
-    if math.prod(shape) and end > storage.nbytes:
-        raise CorruptDataError(
-            f"tensor view size={shape} stride={strides} offset={storage_offset} needs {end} bytes "
-            f"of a {storage.nbytes}-byte storage"
-        )
-    return TensorRecord(dtype, shape, strides, storage.data_offset + storage_offset * dtype.itemsize, storage.nbytes)
-
-
-def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> TensorRecord:
-    """`torch._utils._rebuild_tensor(_v2)`: requires_grad, hooks and metadata do not matter here."""
-    return _tensor(storage, storage_offset, size, stride, None)
-
-
-def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, *_ignored) -> TensorRecord:
-    """`torch._utils._rebuild_tensor_v3`: an untyped storage plus an explicit dtype (float8, uint16...)."""
-    if not isinstance(dtype, DType):
-        raise CorruptDataError(f"_rebuild_tensor_v3 got dtype {dtype!r}")
-    return _tensor(storage, storage_offset, size, stride, dtype)
-
-
-def _rebuild_parameter(data, *_ignored) -> Any:
-    """A Parameter is its data tensor; requires_grad, hooks and Python state are dropped."""
-    return data
-
-
-def _rebuild_from_type_v2(func, new_type, args, state) -> Any:
-    """A tensor with Python attributes: rebuild the plain tensor, drop the attributes."""
-    if new_type is not _TensorType:
-        raise UnsafePickleError(f"refusing tensor subclass {new_type!r}")
-    return func(*args)
-
-
-def _bytes(*args: Any) -> bytes:
-    """`bytes()`, which protocol 2 pickles `b""` as; never of a size (`bytes(10**12)`)."""
-    if args and not isinstance(args[0], (bytes, bytearray, str)):
-        raise UnsafePickleError("refusing bytes() of a size: only bytes() and bytes(bytes) are allowed")
-    return bytes(*args)
-
-
-def _device(*args: Any) -> str:
-    """`torch.device('cpu')` inside a saved value: keep the device as its string."""
-    return ":".join(str(a) for a in args)
-
-
-# (an allow-list table like core/unpickle.py's: these are the globals only torch.save records name)
-_RECORD_GLOBALS: dict[tuple[str, str], Any] = {
-    ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
-    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
-    ("torch", "Tensor"): _TensorType,
-    ("torch.nn.parameter", "Parameter"): _TensorType,
-    ("torch", "device"): _device,
-    ("_io", "BytesIO"): BytesIOState,
-    ("io", "BytesIO"): BytesIOState,
-    ("builtins", "bytes"): _bytes,
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    ("torch._utils", "_rebuild_qtensor"): _rebuild_qtensor,
-    **{("torch", q): q for q in _QSCHEMES},
-    **_storage_types(),
-}
-
-
-def record_global(module: str, name: str) -> Any:
-    """Resolver for torch.save pickles: tensor rebuilds and storage types, then `safe_global`."""
-    try:
-        return _RECORD_GLOBALS[(module, name)]
-    except KeyError:
-        return safe_global(module, name)
-
-
 class _RecordUnpickler(SafeUnpickler):
     """The safe unpickler plus torch's persistent ids, which name storages in the archive."""
 
     def __init__(self, archive: _Archive, resolver: Resolver):
         super().__init__(io.BytesIO(archive.read("data.pkl")), resolver=resolver)
         self._archive = archive
-        self._storages: dict[str, _Storage] = {}
+        self._storages: dict[str, Storage] = {}
         self.saw_bytes_io = False
 
     def find_class(self, module: str, name: str) -> Any:
@@ -308,25 +180,25 @@ class _RecordUnpickler(SafeUnpickler):
         self.saw_bytes_io |= found is BytesIOState
         return found
 
-    def persistent_load(self, pid: Any) -> _Storage:
+    def persistent_load(self, pid: Any) -> Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise CorruptDataError(f"{self._archive.where}: unexpected persistent id {pid!r}")
         _, storage_type, key, _location, numel = pid
-        if not isinstance(storage_type, _StorageType):
+        if not isinstance(storage_type, StorageType):
             raise CorruptDataError(f"{self._archive.where}: persistent id names {storage_type!r}, not a storage type")
         key = str(key)
         if key not in self._storages:
             self._storages[key] = self._storage(storage_type.dtype, key, numel)
         return self._storages[key]
 
-    def _storage(self, dtype: DType | None, key: str, numel: Any) -> _Storage:
+    def _storage(self, dtype: DType | None, key: str, numel: Any) -> Storage:
         info = self._archive.info(f"data/{key}")
         expected = int(numel) * (dtype.itemsize if dtype else 1)
         if expected != info.file_size:
             raise CorruptDataError(
                 f"{self._archive.where}: storage {key!r} should hold {expected} bytes, member has {info.file_size}"
             )
-        return _Storage(dtype, self._archive.data_offset(info), info.file_size)
+        return Storage(dtype, self._archive.data_offset(info), info.file_size, info.CRC)
 
 
 _PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError,

@@ -20,6 +20,7 @@ import numpy as np
 
 from hpckpt.core import dtypes
 from hpckpt.core.box import Box
+from hpckpt.core.checksums import check_source
 from hpckpt.core.errors import EXIT_CODE_BY_KIND, HpckptError
 from hpckpt.core.index import CheckpointIndex, TensorEntry
 from hpckpt.core.overlap import ChunkIndex, boxes_to_arrays
@@ -60,8 +61,10 @@ def validate(index: CheckpointIndex) -> list[Finding]:
     """Return every structural finding about `index` (an empty list means the checkpoint is sound)."""
     findings: list[Finding] = []
     bad_files = _check_files(index, findings)
+    checksums: dict[tuple, str] = {}
     for entry in index.tensors.values():
-        _check_tensor(index, entry, bad_files, findings)
+        _check_tensor(index, entry, bad_files, findings, checksums)
+    findings.extend(_check_checksums(checksums))
     for fqn, value in index.values.items():
         if value.file in bad_files:
             continue
@@ -101,7 +104,19 @@ def _check_files(index: CheckpointIndex, findings: list[Finding]) -> set[str]:
     return bad
 
 
-def _check_tensor(index: CheckpointIndex, entry: TensorEntry, bad_files: set[str], findings: list[Finding]) -> None:
+def _check_checksums(checksums: dict[tuple, str]) -> list[Finding]:
+    """The CRC-32 of every byte range its format records one for (torch.save storages), each once."""
+    findings = []
+    for (path, offset, nbytes, crc), fqn in checksums.items():
+        try:
+            check_source(path, offset, nbytes, crc)
+        except HpckptError as exc:
+            findings.append(_error(exc, fqn=fqn, file=path.name))
+    return findings
+
+
+def _check_tensor(index: CheckpointIndex, entry: TensorEntry, bad_files: set[str], findings: list[Finding],
+                  checksums: dict[tuple, str]) -> None:
     refused = entry.dtype.refusal is not None  # quantized, shell dtypes: sound files hpckpt cannot copy
     if refused:
         exc = dtypes.refuse(entry.dtype, entry.fqn)
@@ -119,9 +134,12 @@ def _check_tensor(index: CheckpointIndex, entry: TensorEntry, bad_files: set[str
         if chunk.file in bad_files or refused:
             continue
         try:
-            index.locate(chunk, entry)
+            loc = index.locate(chunk, entry)
         except HpckptError as exc:
             findings.append(_error(exc, fqn=entry.fqn, file=chunk.file))
+            continue
+        if getattr(loc, "checksum", None) is not None:
+            checksums.setdefault((loc.path, *loc.checksum), entry.fqn)
     findings.extend(_coverage(entry, inside))
 
 

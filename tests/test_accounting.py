@@ -177,3 +177,50 @@ def test_every_source_entry_is_written_or_reported(samples, tmp_path, sample_id,
         assert fqn in where or leaves, (fqn, "converted" if fqn in converted else "value", sorted(out.values))
     known = set(source.tensors) | set(source.values)
     assert all(n in known or any(n.startswith(k + ".") for k in source.values) for n in [*out.tensors, *out.values])
+
+
+# --------------------------------------------------------------------------------------------
+# A checksum the source's format records is checked by every copy, and by verify
+
+
+def flip_a_storage_byte(path, member_suffix: str = "/data/0") -> None:
+    """Flip one byte inside the storage member of a torch.save zip at the start of `path`."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as zf:
+        info = next(i for i in zf.infolist() if i.filename.endswith(member_suffix))
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+    data[info.header_offset + 30 + name_len + extra_len + 3] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("target", ["out.safetensors", "out.ckpt", "out.pt", "hp"])
+def test_a_torch_save_storage_that_fails_its_zip_crc_is_never_converted(tmp_path, target):
+    import torch
+
+    src = tmp_path / "src.pt"
+    torch.save({"w": torch.arange(64, dtype=torch.float32)}, src)
+    flip_a_storage_byte(src)
+    out = tmp_path / target
+    proc = run_hpckpt("convert", src, "-o", out, *(["--to", "hp"] if target == "hp" else []))
+    assert proc.returncode == 9, proc.stderr
+    (line,) = error_lines(proc.stderr)
+    assert "CRC-32" in line and "src.pt" in line, line
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src.pt"]
+    verified = run_hpckpt("verify", src)
+    assert verified.returncode == 9 and "CRC-32" in verified.stdout + verified.stderr
+
+
+def test_a_torch_dcp_record_that_fails_its_zip_crc_is_never_resharded(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    src = tmp_path / "dcp"
+    dcp.save({"w": torch.arange(64, dtype=torch.float32).reshape(8, 8)}, checkpoint_id=str(src), no_dist=True)
+    (data,) = src.glob("*.distcp")
+    flip_a_storage_byte(data, "/data/0")
+    proc = run_hpckpt("reshard", src, "-o", tmp_path / "out", "--world-size", "2")
+    assert proc.returncode == 9 and "CRC-32" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 from hpckpt.cli.app import app
 from hpckpt.converters import format_named, open_index
 from hpckpt.converters.base import WriterOptions
+from hpckpt.core import checksums
 from hpckpt.core import mindspore_ckpt as mc
 from hpckpt.core.dtypes import all_dtypes, dtype
 from hpckpt.core.errors import CorruptDataError, NotACheckpointError, UnsupportedDTypeError
@@ -146,7 +147,7 @@ def test_crc_is_read_once_per_run_by_any_number_of_workers(tmp_path, monkeypatch
 
 
 def test_check_streams_in_blocks_and_in_memory_reads_are_checked(crc_files, monkeypatch):
-    monkeypatch.setattr(crc_module, "CRC_BLOCK_BYTES", 7)  # many reads, none aligned to a record
+    monkeypatch.setattr(checksums, "CRC_BLOCK_BYTES", 7)  # many reads, none aligned to a record
     assert mc.verify_crc(crc_files["good"]) is True
     with pytest.raises(CorruptDataError, match="CRC-32 mismatch"):
         mc.verify_crc(crc_files["content"])

@@ -4,7 +4,7 @@ MindSpore (`_exec_save`, `_parse_ckpt_proto`): the CRC-32 (`binascii.crc32`, sta
 function as `zlib.crc32`) of every serialized one-Value `Checkpoint`, in file order, i.e. of every
 byte before the 17-byte trailer `b"crc_num"` + the CRC as 10 bytes big-endian.
 
-The file is streamed in `CRC_BLOCK_BYTES` blocks (one buffer, whatever the file's size): about
+The file is streamed in `core.checksums.CRC_BLOCK_BYTES` blocks (one buffer, whatever the file's size): about
 0.5 s per GiB from the page cache here, `zlib.crc32` being most of it.
 """
 
@@ -12,27 +12,11 @@ from __future__ import annotations
 
 import os
 import threading
-import zlib
 from pathlib import Path
 
+from hpckpt.core import checksums
 from hpckpt.core.errors import CorruptDataError
 from hpckpt.core.mindspore_ckpt.scan import _open, _trailer
-
-CRC_BLOCK_BYTES = 8 * 1024 * 1024
-
-
-def crc_of_file(fd: int, nbytes: int, path: Path) -> int:
-    """CRC-32 of the first `nbytes` of an open file, read in `CRC_BLOCK_BYTES` blocks."""
-    view = memoryview(bytearray(min(CRC_BLOCK_BYTES, max(nbytes, 1))))
-    crc, at = 0, 0
-    while at < nbytes:
-        n = os.preadv(fd, [view[: min(len(view), nbytes - at)]], at)
-        if not n:
-            raise CorruptDataError(f"{path}: truncated while checking the CRC at offset {at}")
-        crc = zlib.crc32(view[:n], crc)
-        at += n
-    return crc
-
 
 def verify_crc(path: Path | str) -> bool:
     """Check the CRC trailer by streaming the file; False when there is no trailer.
@@ -48,7 +32,7 @@ def verify_crc(path: Path | str) -> bool:
             return False
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(f.fileno(), 0, proto_end, os.POSIX_FADV_SEQUENTIAL)
-        computed = crc_of_file(f.fileno(), proto_end, path)
+        computed = checksums.crc_of_range(f.fileno(), 0, proto_end, path)
     if computed != stored:
         raise CorruptDataError(
             f"{path}: CRC-32 mismatch: the trailer says {stored:#010x}, the {proto_end} bytes "
