@@ -8,14 +8,16 @@ are parsed once per file, on first use.
 from __future__ import annotations
 
 import os
+import threading
+import zlib
 from pathlib import Path
 from typing import Any
 
-from hpckpt.core import safetensors_io
+from hpckpt.core import checksums, safetensors_io
 from hpckpt.core.errors import CorruptDataError, CorruptMetadataError, EntryMismatchError, MissingFileError
 from hpckpt.core.index import Chunk, Location, TensorEntry, ValueEntry
 from hpckpt.core.paths import resolve_inside
-from hpckpt.core.read import pread_exact
+from hpckpt.core.read import open_data_file, pread_exact
 from hpckpt.core.unpickle import loads
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -29,6 +31,7 @@ class DataFileLocator:
         self._tensor_tables: dict[str, dict[str, Location]] = {}
         self._headers: dict[str, safetensors_io.SafetensorsHeader] = {}
         self._sidecars: dict[str, dict] = {}
+        self._lock = threading.Lock()
 
     def path(self, relative: str) -> Path:
         return resolve_inside(self.root, relative)
@@ -37,23 +40,26 @@ class DataFileLocator:
         """Return key -> Location for every tensor in the data file `relative` (cached)."""
         table = self._tensor_tables.get(relative)
         if table is None:
-            path = self.path(relative)
-            if not path.is_file():
-                raise MissingFileError(f"{relative}: data file is missing from {self.root}")
-            with open(path, "rb") as f:
-                magic = f.read(4)
-            if magic == ZIP_MAGIC:
-                table = _torch_archive_table(path)
-            else:
-                header = self._header(relative, path)
-                if header.problems:
-                    raise CorruptDataError(f"{relative}: {header.problems[0]}")
-                table = {
-                    key: Location(path, info.begin, info.end - info.begin, info.dtype, info.shape)
-                    for key, info in header.entries.items()
-                }
-            self._tensor_tables[relative] = table
+            with self._lock:  # built once, whichever worker asks first
+                table = self._tensor_tables.get(relative)
+                if table is None:
+                    table = self._tensor_tables[relative] = self._build_table(relative)
         return table
+
+    def _build_table(self, relative: str) -> dict[str, Location]:
+        path = self.path(relative)
+        if not path.is_file():
+            raise MissingFileError(f"{relative}: data file is missing from {self.root}")
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic == ZIP_MAGIC:
+            return _torch_archive_table(path)
+        header = self._header(relative, path)
+        if header.problems:
+            raise CorruptDataError(f"{relative}: {header.problems[0]}")
+        check_mindspore_crc(header)
+        return {key: Location(path, info.begin, info.end - info.begin, info.dtype, info.shape)
+                for key, info in header.entries.items()}
 
     def _header(self, relative: str, path: Path) -> safetensors_io.SafetensorsHeader:
         header = self._headers.get(relative)
@@ -70,7 +76,13 @@ class DataFileLocator:
             if f.read(4) == ZIP_MAGIC:
                 self.tensor_table(relative)  # raises CorruptDataError for a broken archive
                 return []
-        return self._header(relative, path).problems
+        header = self._header(relative, path)
+        if not header.problems:
+            try:
+                self.tensor_table(relative)  # a MindSpore crc_num is checked there, once
+            except CorruptDataError as exc:
+                return [exc.message.removeprefix(f"{path}: ")]
+        return header.problems
 
     def locate(self, chunk: Chunk, entry: TensorEntry) -> Location:
         loc = self.tensor_table(chunk.file).get(chunk.key)
@@ -125,6 +137,33 @@ class DataFileLocator:
             return loads(data, what=f"{entry.file} value {entry.fqn}")
         except CorruptMetadataError as exc:
             raise CorruptDataError(exc.message) from exc
+
+
+def check_mindspore_crc(header: safetensors_io.SafetensorsHeader) -> None:
+    """MindSpore's `save_checkpoint(..., format="safetensors", crc_check=True)` records in
+    `__metadata__["crc_num"]` the CRC-32 of every tensor's name and bytes, names sorted, which its
+    `load_checkpoint(crc_check=True)` checks; hpckpt checks it before the file's data is used.
+
+    Raises:
+        CorruptDataError: the bytes hash otherwise (or `crc_num` is not a number).
+    """
+    stored = header.metadata.get("crc_num")
+    if stored is None or header.metadata.get("format") != "ms":
+        return
+    try:
+        expected = int(stored)
+    except ValueError:
+        raise CorruptDataError(f"{header.path}: __metadata__ crc_num {stored!r} is not a number") from None
+    crc = 0
+    with open_data_file(header.path) as f:
+        for key in sorted(header.entries):
+            info = header.entries[key]
+            crc = zlib.crc32(key.encode("utf-8"), crc)
+            crc = checksums.crc_of_range(f.fileno(), info.begin, info.end - info.begin, header.path, crc)
+    if crc != expected:
+        raise CorruptDataError(f"{header.path}: CRC-32 mismatch: __metadata__ crc_num says {expected}, the tensors "
+                               f"hash to {crc}", hint="the file is damaged (MindSpore's load_checkpoint(crc_check=True) "
+                               "refuses it too)")
 
 
 def _torch_archive_table(path: Path) -> dict[str, Location]:

@@ -20,8 +20,9 @@ CRC_BLOCK_BYTES = 8 * 1024 * 1024
 _BUFFERS = threading.local()
 
 
-def crc_of(fd: int, extents, path: Path | str = "file") -> int:
-    """CRC-32 of the bytes at `extents` (objects with `offset` and `nbytes`) of `fd`, in order.
+def crc_of(fd: int, extents, path: Path | str = "file", crc: int = 0) -> int:
+    """CRC-32 of the bytes at `extents` (objects with `offset` and `nbytes`) of `fd`, in order,
+    continuing from `crc`.
 
     Raises:
         CorruptDataError: the file ends before a range does.
@@ -31,7 +32,7 @@ def crc_of(fd: int, extents, path: Path | str = "file") -> int:
     buffer = getattr(_BUFFERS, "buffer", None)
     if buffer is None or len(buffer) < size or len(buffer) > CRC_BLOCK_BYTES:
         buffer = _BUFFERS.buffer = bytearray(size)  # reused: a fresh one would page-fault in every time
-    view, crc = memoryview(buffer), 0
+    view = memoryview(buffer)
     for extent in extents:
         done = 0
         while done < extent.nbytes:
@@ -51,8 +52,8 @@ class _Range:
         self.offset, self.nbytes = offset, nbytes
 
 
-def crc_of_range(fd: int, offset: int, nbytes: int, path: Path | str = "file") -> int:
-    return crc_of(fd, (_Range(offset, nbytes),), path)
+def crc_of_range(fd: int, offset: int, nbytes: int, path: Path | str = "file", crc: int = 0) -> int:
+    return crc_of(fd, (_Range(offset, nbytes),), path, crc)
 
 
 def check_source(path: Path, offset: int, nbytes: int, crc: int) -> None:

@@ -84,12 +84,24 @@ def read_header(path: Path, *, strict: bool = True) -> SafetensorsHeader:
         raise CorruptDataError(f"{path}: safetensors header is not a JSON object")
     header = SafetensorsHeader(path, file_size, 8 + header_len, {}, {})
     _check_layout(header, _parse_entries(header, doc))
+    _mindspore_overrides(header)
     if strict and header.problems:
         raise CorruptDataError(f"{path}: {header.problems[0]}")
     if strict and header.unsupported:
         key, why = next(iter(header.unsupported.items()))
         raise UnsupportedDTypeError(f"{path}: tensor {key!r}: {why}")
     return header
+
+
+def _mindspore_overrides(header: SafetensorsHeader) -> None:
+    """MindSpore stores an int4 tensor as its packed int8 bytes and says so in `__metadata__`
+    (`{name: "Int4"}`); read as int8 it would be another tensor, so it is refused."""
+    if header.metadata.get("format") != "ms":
+        return
+    for key in [k for k in header.entries if header.metadata.get(k) == "Int4"]:
+        del header.entries[key]
+        header.unsupported[key] = ("MindSpore int4, stored as packed int8 bytes (__metadata__ says Int4): "
+                                   "hpckpt does not carry int4")
 
 
 def _parse_entries(header: SafetensorsHeader, doc: dict) -> list[TensorInfo]:

@@ -336,3 +336,50 @@ def test_unloadable_dtype_is_refused_before_anything_is_written(torch_dtype, tmp
     out = tmp_path / "out.ckpt"
     one_error(runner.invoke(app, ["convert", str(src), "-o", str(out)]), 15, "bad", "cannot hold")
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src.pt"]
+
+
+# --------------------------------------------------------------------------------------------
+# MindSpore's own safetensors: its crc_num is checked, its int4 tensors are refused, not misread
+
+
+def ms_safetensors(path, params: dict, **kwargs):
+    import mindspore as ms
+    from mindspore import Parameter, Tensor
+
+    ms.save_checkpoint({k: Parameter(Tensor(v) if isinstance(v, np.ndarray) else v, name=k) for k, v in params.items()},
+                       str(path), format="safetensors", **kwargs)
+    return path
+
+
+def test_mindspore_safetensors_crc_num_is_checked_by_every_read(tmp_path):
+    import mindspore as ms
+
+    good = ms_safetensors(tmp_path / "good.safetensors", {"b": np.arange(6, dtype=np.float32).reshape(2, 3),
+                                                          "a": np.ones(4, np.float16)}, crc_check=True)
+    assert set(ms.load_checkpoint(str(good), format="safetensors", crc_check=True)) == {"a", "b"}
+    runner = CliRunner()
+    assert runner.invoke(app, ["verify", str(good)]).exit_code == 0
+    assert runner.invoke(app, ["convert", str(good), "-o", str(tmp_path / "ok.pt")]).exit_code == 0
+    bad = tmp_path / "bad.safetensors"
+    data = bytearray(good.read_bytes())
+    data[-3] ^= 1  # a bit of a tensor's data
+    bad.write_bytes(bytes(data))
+    with pytest.raises(Exception):
+        ms.load_checkpoint(str(bad), format="safetensors", crc_check=True)  # MindSpore refuses it too
+    for argv in (["verify", str(bad)], ["convert", str(bad), "-o", str(tmp_path / "out.pt")],
+                 ["consolidate", str(bad), "-o", str(tmp_path / "out.ckpt"), "--format", "ms"]):
+        result = runner.invoke(app, argv)
+        assert result.exit_code == 9, (argv, result.stderr, result.stdout)
+        assert "crc_num" in result.stderr + result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.safetensors", "good.safetensors", "ok.pt"]
+
+
+def test_mindspore_int4_in_safetensors_is_refused_not_read_as_int8(tmp_path):
+    from mindspore import Tensor
+    from mindspore.common import dtype as mstype
+
+    path = ms_safetensors(tmp_path / "q.safetensors", {
+        "q": Tensor(np.array([[1, 2], [3, 4]], dtype=np.int8), dtype=mstype.qint4x2), "w": np.ones(2, np.float32)})
+    result = CliRunner().invoke(app, ["convert", str(path), "-o", str(tmp_path / "out.pt")])
+    assert result.exit_code == 15, (result.stderr, result.stdout)
+    assert "int4" in result.stderr.lower() and not (tmp_path / "out.pt").exists()
