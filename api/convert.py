@@ -26,17 +26,20 @@ from hpckpt.core.write import WriteSettings
 
 def rename(index: CheckpointIndex, rules: Any, select: Selection):
     """Rename and select `index`'s entries: returns (view index, `NameMapping` or None, per-tensor
-    dtypes asked by the rules, derived tensors to compute). Globs match the source name or the
-    destination name (`--exclude 'optim.*'` works whichever side says it)."""
+    dtypes asked by the rules, derived tensors to compute, `(name, reason)` of the entries the
+    rules drop). Globs match the source name or the destination name (`--exclude 'optim.*'` works
+    whichever side says it); what the user leaves out is not reported, what the rules drop is."""
     everything = [*index.tensors, *index.values]
     if rules is None:
-        return renamed_view(index, {n: None for n in everything if not select.keeps(n)}), None, {}, ()
+        return renamed_view(index, {n: None for n in everything if not select.keeps(n)}), None, {}, (), ()
     from hpckpt.converters.naming import map_names
 
     mapping = map_names(everything, rules, shapes={n: e.shape for n, e in index.tensors.items()})
     renames: dict[str, str | None] = {}
-    transposes, casts = {}, {}
+    transposes, casts, dropped = {}, {}, []
     for source, entry in mapping.entries.items():
+        if entry.destination is None and select.keeps(source):
+            dropped.append((source, entry.note or f"dropped by the name rules ({entry.rule})"))
         keep = entry.destination is not None and select.keeps(source, entry.destination)
         renames[source] = entry.destination if keep else None
         if keep and entry.transpose is not None and source in index.tensors:
@@ -44,7 +47,7 @@ def rename(index: CheckpointIndex, rules: Any, select: Selection):
         if keep and entry.dtype is not None:
             casts[entry.destination] = entry.dtype
     derived = tuple(d for d in mapping.derived if select.keeps(d.destination))
-    return renamed_view(index, renames, transposes), mapping, casts, derived
+    return renamed_view(index, renames, transposes), mapping, casts, derived, tuple(dropped)
 
 
 def target_format(to: str | None, dst: str | Path):
@@ -77,7 +80,7 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, *, layout: 
     started = time.perf_counter()
     fmt = target_format(to, dst)
     source = index if index is not None else open_index(src)
-    view, mapping, casts, derived = rename(source, rules, select)
+    view, mapping, casts, derived, dropped = rename(source, rules, select)
     extra: dict[str, Any] = {}
     if mapping is not None:
         from hpckpt.converters.naming import mapping_json, render_mapping
@@ -97,12 +100,13 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, *, layout: 
         layout = source_layout(view)
     target = pipeline.Target(fmt, layout, None, framework, dtype, casts or None, parse_size(max_shard_size), crc,
                              skip_unsupported)
-    return pipeline.write(command, src, dst, view, target, settings, started=started, extra=extra)
+    return pipeline.write(command, src, dst, view, target, settings, started=started, extra=extra, dropped=dropped)
 
 
 # source format -> the container convert-ms-torch keeps by default (the other framework's file)
 _KEEP_KIND = {"hyperparallel": "hyperparallel", "hyperparallel-legacy": "hyperparallel", "torch-dcp": "torch-dcp",
-              "hf-sharded": "hf-sharded", "safetensors": "safetensors", "mindspore-ckpt": "torch-save",
+              "hf-sharded": "hf-sharded", "hf-torch-bin": "hf-sharded", "safetensors": "safetensors",
+              "mindspore-ckpt": "torch-save",
               "torch-save": "mindspore-ckpt"}
 
 

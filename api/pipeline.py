@@ -94,8 +94,12 @@ def _refuse_or_skip(source: CheckpointIndex, target: Target, names: Iterable[str
 
 def write(command: str, src: str | Path, dst: str | Path, source: CheckpointIndex, target: Target,
           settings: WriteSettings, *, names: Iterable[str] | None = None, dry_run: bool = False,
-          started: float | None = None, extra: Mapping | None = None) -> WriteReport:
-    """Plan, lay out, copy and commit `source` at `dst` as `target` says; report what was done."""
+          started: float | None = None, extra: Mapping | None = None,
+          dropped: Iterable[tuple[str, str]] = ()) -> WriteReport:
+    """Plan, lay out, copy and commit `source` at `dst` as `target` says; report what was done.
+
+    `dropped` are `(name, reason)` of entries the command decided not to write (a name rule's
+    drop), reported as skipped with the rest."""
     started = time.perf_counter() if started is None else started
     dst = Path(dst)
     names, refused = _refuse_or_skip(source, target, names)
@@ -110,13 +114,13 @@ def write(command: str, src: str | Path, dst: str | Path, source: CheckpointInde
     layouts = not target.format.whole_tensors
     if dry_run:  # nothing is read but the metadata
         written = read = 0
-        files, skipped, converted = len(writer.expected_files(plan)), tuple(refused), ()
+        files, skipped, converted = len(writer.expected_files(plan)), tuple(sorted({*refused, *dropped})), ()
         ranks = tuple(rank_stats(plan, source))
     else:
         result = write_plan(plan, source, writer, dst, settings, file_output=target.format.destination == "file",
                             fan_out=target.ranks is not None, read_back=target.format.reader.read_index)
         written, read, files, ranks = result.bytes_written, result.bytes_read, result.files, result.ranks
-        skipped, converted = tuple(sorted({*refused, *result.skipped})), tuple(sorted(set(result.converted)))
+        skipped, converted = tuple(sorted({*refused, *dropped, *result.skipped})), tuple(sorted(set(result.converted)))
     summary = PlanSummary(plan.world_size, ranks, files) if layouts else None
     return WriteReport(
         command=command, source=str(src), destination=str(dst), source_format=source.format,

@@ -55,7 +55,7 @@ class HfShardedReader:
         if index_file is None:
             return self._read_per_rank(path)
         weight_map, files = read_weight_map(index_file, "safetensors index")
-        index = index_safetensors_files(index_file.parent, files, self.name, sidecar=SIDECAR_NAME)
+        index = index_safetensors_files(index_file.parent, files, self.name, sidecar=SIDECAR_NAME, owners=weight_map)
         index.metadata_files = [index_file.name]
         missing = sorted(set(weight_map) - set(index.tensors))
         if missing:
@@ -72,14 +72,16 @@ class HfShardedReader:
         ranks = {int(PER_RANK_FILE.match(f).group(1)) - 1 for f in files}
         index.world_size = max(ranks) + 1
         pieces = sum(1 for e in index.tensors.values() if e.n_chunks > 1)
-        notes = [f"{len(files)} per-rank file(s) of torch.distributed.checkpoint's HuggingFaceStorageWriter"
+        # a warning, not a note: a lost last rank's file would shrink tensors and nothing could tell
+        notes = [f"{len(files)} per-rank file(s) of torch.distributed.checkpoint's HuggingFaceStorageWriter "
                  f"(save_distributed=True) and no index: {pieces} tensor(s) assembled from pieces by their "
-                 "DCP_SHARDING_INFO offsets; each global shape is the extent of its pieces (no file records it)"]
+                 "DCP_SHARDING_INFO offsets; each global shape is the extent of its pieces, as no file records "
+                 "it, so a lost file of the last rank cannot be detected"]
         absent = sorted(set(range(index.world_size)) - ranks)
         if absent:
             index.warnings.append(f"no file of rank(s) {', '.join(map(str, absent))} (a rank with nothing to "
                                   "save writes none; pieces that leave a gap are refused when read)")
-        index.notes[:0] = notes
+        index.warnings[:0] = notes
         return index
 
 

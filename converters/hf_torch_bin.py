@@ -78,8 +78,9 @@ class HfTorchBinReader:
             TorchSaveReader.refuse_legacy(shard, "a pytorch_model.bin shard")
             records, shard_values = flatten_record(shard, torch_zip.load_record(shard))
             for fqn, record in records.items():
-                if fqn in tensors or fqn in values:
-                    continue  # in two shards: the first wins, as transformers' loader does
+                named = weight_map.get(fqn) if weight_map is not None else None
+                if (fqn in tensors or fqn in values) and named != name:
+                    continue  # in two shards: the one the index names wins, else the first
                 tensors[fqn] = TensorEntry(fqn, record.dtype, record.shape, [Chunk(full_box(record.shape), name, fqn)],
                                            record.dtype.torch)
                 locations[fqn] = record.location(shard)

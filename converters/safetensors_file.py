@@ -26,19 +26,22 @@ from hpckpt.core.plan import Plan, PlannedBox, PlannedTensor
 
 
 def index_safetensors_files(root: Path, files: list[str], fmt: str, *, assemble: bool = True,
-                            sidecar: str | None = None) -> CheckpointIndex:
+                            sidecar: str | None = None, owners: Mapping[str, str] | None = None) -> CheckpointIndex:
     """Build an index over the safetensors files `files` (relative to `root`).
 
     A tensor whose file's `__metadata__` places it at offsets (`DCP_SHARDING_INFO`, PyTorch's
     Hugging Face storage writer) is a piece: with `assemble`, the pieces of all files are chunks of
     one tensor as large as their extent; without (one file read on its own), each is read as
     stored and the index's notes say what it is. `sidecar` names the JSON file of the values
-    hpckpt wrote beside the tensors (`converters.values_sidecar`), read when present.
+    hpckpt wrote beside the tensors (`converters.values_sidecar`), read when present. A key stored
+    whole in several files is read from the one `owners` (an index's weight_map) names, as
+    Hugging Face loaders do; without one, from the first, with a warning.
     """
     locator = DataFileLocator(root)
     tensors: dict[str, TensorEntry] = {}
     frameworks = set()
     headers = []
+    twice: list[str] = []
     for name in files:
         header = safetensors_io.read_header(locator.path(name))
         headers.append(header)
@@ -52,9 +55,15 @@ def index_safetensors_files(root: Path, files: list[str], fmt: str, *, assemble:
                 tensors[key] = TensorEntry(key, info.dtype, _extent(chunk.box), [chunk], info.dtype.safetensors)
             elif offsets is not None:
                 _add_piece(entry, chunk, info.dtype, name)
-            # else: duplicates across shards: the first wins, as Hugging Face loaders do
+            elif owners is not None and owners.get(key) == name:
+                tensors[key] = TensorEntry(key, info.dtype, info.shape, [chunk], info.dtype.safetensors)
+            elif owners is None or owners.get(key) is None:
+                twice.append(key)
     frameworks.discard(None)
     carried, notes, warnings = carried_metadata(headers)
+    if twice:
+        warnings.append(f"{len(twice)} tensor(s) stored whole in several files and named by no index, "
+                        f"e.g. {twice[0]!r}: the first file's copy is read")
     if not assemble:
         warnings = [n for header in headers for n in single_file_notes(header)] + warnings
     return CheckpointIndex(

@@ -25,6 +25,7 @@ SHARDING_KEY = "DCP_SHARDING_INFO"
 STORAGE_KEYS = frozenset({SHARDING_KEY, "DCP_VERSION", "format", "crc_num", "remove_redundancy"})
 #: torch's per-rank file name (`_hf_utils.SHARDED_FILE_NAME`): `shard-00002-model-00001-of-00001.safetensors`.
 PER_RANK_FILE = re.compile(r"^shard-(\d{5})-model-\d{5}-of-\d{5}\.safetensors$")
+HF_SHARD_FILE = re.compile(r"^.*-(\d+)-of-(\d+)\.safetensors$")  # model-00001-of-00002.safetensors
 HP_RANK_FILE = re.compile(r"^_rank\d+_\.safetensors$")
 RAGGED_KEY = ".__dcp_chunk_"
 
@@ -96,6 +97,12 @@ def single_file_notes(header: SafetensorsHeader) -> list[str]:
     ragged = sorted(k for k in header.entries if RAGGED_KEY in k)
     if ragged:
         notes.append(f"{name}: {len(ragged)} key(s) like {ragged[0]} are pieces of HyperParallel ragged tensors")
+    shard = HF_SHARD_FILE.match(name)
+    if shard and int(shard.group(2)) > 1:
+        index = header.path.parent / "model.safetensors.index.json"
+        notes.append(f"{name}: shard {int(shard.group(1))} of {int(shard.group(2))} of a Hugging Face checkpoint, "
+                     "read on its own: the other shards' tensors are not in it"
+                     + ("" if index.is_file() else " (and model.safetensors.index.json, which lists them, is missing)"))
     if HP_RANK_FILE.match(name):
         metadata = (header.path.parent / ".metadata").is_file()
         notes.append(f"{name}: named like one rank's file of a HyperParallel checkpoint: its tensors may be "

@@ -29,6 +29,7 @@ from hpckpt.core.errors import CorruptDataError, UnknownFormatError
 from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry
 from hpckpt.core.nesting import flatten_nested, holds_tensor
 from hpckpt.core.paths import resolve_inside
+from hpckpt.core.pickle_builder import loadable_values
 
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"  # pickle of torch's legacy magic number
 
@@ -63,18 +64,25 @@ def _flatten(obj: Any, prefix: str, tensors: dict[str, torch_zip.TensorRecord], 
     """Dicts are entered as they always were; a list, tuple or odd-keyed dict holding a tensor is
     flattened as DCP names its leaves; anything else is one value (names and bytes unchanged)."""
     if _is_record(obj):
-        tensors[prefix] = obj
+        _put(prefix, obj, tensors, values)
     elif isinstance(obj, dict) and obj and all(isinstance(k, (str, int)) for k in obj):
         for key, value in obj.items():
             _flatten(value, f"{prefix}.{key}" if prefix else str(key), tensors, values)
     elif holds_tensor(obj, _is_record, tuples=True):
         nested = {prefix: obj} if prefix else dict(enumerate(obj) if isinstance(obj, (list, tuple)) else obj.items())
         for name, leaf in flatten_nested(nested, _is_record, tuples=True):
-            if name in tensors or name in values:
-                raise CorruptDataError(f"two entries flatten to the same name {name!r}")
-            (tensors if _is_record(leaf) else values)[name] = leaf
+            _put(name, leaf, tensors, values)
     else:
-        values[prefix or "value"] = obj
+        _put(prefix or "value", obj, tensors, values)
+
+
+def _put(name: str, leaf: Any, tensors: dict, values: dict) -> None:
+    """One flattened entry; a name given twice (`{0: a, "0": b}`, `{"a.b": a, "a": {"b": b}}`)
+    would keep one of them, so it is refused."""
+    if name in tensors or name in values:
+        raise CorruptDataError(f"two entries flatten to the same name {name!r}: hpckpt names entries by "
+                               "their key path joined with '.', and cannot keep both")
+    (tensors if _is_record(leaf) else values)[name] = leaf
 
 
 def flatten_record(path: Path, tree: Any) -> tuple[dict[str, torch_zip.TensorRecord], dict[str, Any]]:
@@ -89,9 +97,6 @@ def flatten_record(path: Path, tree: Any) -> tuple[dict[str, torch_zip.TensorRec
         _flatten(tree, "", records, values)
     except CorruptDataError as exc:
         raise CorruptDataError(f"{path}: {exc.message}") from None
-    clash = set(records) & set(values)
-    if clash:
-        raise CorruptDataError(f"{path}: flattened names collide: {sorted(clash)[:3]}")
     return records, values
 
 
@@ -160,14 +165,16 @@ class TorchSaveFileWriter:
         archive = self._archive = TorchArchive(archive_name_for(self.options.name))
         items = whole_tensors(plan, "torch-save")
         keys = [archive.add_tensor(t.fqn, t.dtype, t.shape) for t, _ in items]
-        for value in plan.values:
-            archive.add_value(value.fqn, values[value.fqn])
+        kept, skipped, converted = loadable_values((v.fqn, values[v.fqn]) for v in plan.values)
+        for fqn, data in kept:
+            archive.add_value(fqn, data)
         archive.layout(0)
         boxes = []
         for key, (tensor, planned) in zip(keys, items):
             at, nbytes = archive.tensor_extent(key)
             boxes.append(Placement(tensor, planned, (Extent(at, nbytes),), key))
-        return OutputLayout((FileLayout(self.options.name, archive.size, tuple(archive.fixed), tuple(boxes)),))
+        return OutputLayout((FileLayout(self.options.name, archive.size, tuple(archive.fixed), tuple(boxes)),),
+                            tuple(skipped), tuple(converted))
 
     def expected_files(self, plan: Plan) -> list[str]:
         return [self.options.name]

@@ -19,6 +19,8 @@ def jsonable(value: Any) -> Any:
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (bytes, bytearray)):
         return {"bytes": len(value)}
+    if type(value).__name__ in ("DType", "TorchDevice"):  # a torch dtype or device: torch's spelling
+        return str(value) if type(value).__name__ == "TorchDevice" else f"torch.{value}"
     return repr(value)
 
 

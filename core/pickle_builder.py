@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 from hpckpt.core import dtypes
 from hpckpt.core.dtypes import DType
-from hpckpt.core.torch_records import contiguous_strides
+from hpckpt.core.torch_records import TorchDevice, contiguous_strides
 
 _U32_MAX = 0xFFFFFFFF
 
@@ -206,12 +206,71 @@ class PickleBuilder:
     def _none(self, _value: None) -> None:
         self.body += pickle.NONE
 
+    def _dtype(self, value: DType) -> None:
+        """A torch dtype as a value (`torch.float32`), as torch pickles it."""
+        if not value.in_torch:
+            raise TypeError(f"torch has no dtype {value}")
+        self.global_("torch", value.name)
+
+    def _device(self, value: TorchDevice) -> None:
+        kind, _, index = value.spec.partition(":")
+        self.call("torch", "device", [kind, int(index)] if index else [kind], lambda v: self.value(v, "device"))
+
+
+def torch_loadable(value: Any, where: str) -> tuple[Any, str | None, str | None]:
+    """`(value to write, why it was converted, why it cannot be written)` for a value going into
+    a torch.save record: numpy scalars become the Python numbers torch's weights_only loader
+    reads (a conversion, reported); what it cannot read at all (a numpy array, a datetime) is
+    skipped with the reason, never an internal error."""
+    converted: list[str] = []
+
+    def plain(v: Any) -> Any:
+        if type(v).__module__ == "numpy" and hasattr(v, "item") and getattr(v, "ndim", None) == 0:
+            converted.append(type(v).__name__)
+            return v.item()
+        if type(v) in (list, tuple, set):
+            return type(v)(plain(x) for x in v)
+        if type(v) in (dict, OrderedDict):
+            return type(v)((plain(k), plain(x)) for k, x in v.items())
+        return v
+
+    data = plain(value)
+    try:
+        PickleBuilder().value(data, where)
+    except (TypeError, ValueError) as exc:
+        return None, None, str(exc).removeprefix(f"{where}: ")
+    note = f"numpy {', '.join(sorted(set(converted)))} stored as Python numbers" if converted else None
+    return data, note, None
+
+
+def loadable_values(values: Iterable[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], list, list]:
+    """The `(fqn, value)` a torch.save record can hold, as they will be written, and the
+    `(fqn, reason)` of those skipped and of those converted (`torch_loadable`)."""
+    kept, skipped, converted = [], [], []
+    for fqn, value in values:
+        data, note, why = torch_loadable(value, fqn)
+        if why is not None:
+            skipped.append((fqn, why))
+            continue
+        if note is not None:
+            converted.append((fqn, note))
+        kept.append((fqn, data))
+    return kept, skipped, converted
+
+
+def standalone_pickle(value: Any, where: str = "value") -> bytes:
+    """One value as a complete protocol-2 pickle (what `torch.save`'s data.pkl holds for it)."""
+    builder = PickleBuilder()
+    builder.value(value, where)
+    return pickle.PROTO + b"\x02" + bytes(builder.body) + pickle.STOP
+
 
 # Exact types only: a subclass (IntEnum, defaultdict...) would load back as something else.
 _SCALARS = {
     type(None): PickleBuilder._none, bool: PickleBuilder._bool, int: PickleBuilder.integer,
     float: PickleBuilder._float, complex: PickleBuilder._complex, str: PickleBuilder.string,
     bytes: PickleBuilder._bytes, bytearray: PickleBuilder._bytearray,
+    DType: PickleBuilder._dtype, TorchDevice: PickleBuilder._device,
 }
 _CONTAINERS = {
     tuple: PickleBuilder._tuple, list: PickleBuilder._list, dict: PickleBuilder._dict,

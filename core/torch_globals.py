@@ -14,7 +14,7 @@ from typing import Any
 
 from hpckpt.core import dtypes
 from hpckpt.core.dtypes import DType
-from hpckpt.core.errors import CorruptDataError, UnsafePickleError
+from hpckpt.core.errors import CorruptDataError, UnknownFormatError, UnsafePickleError
 from hpckpt.core.torch_records import BytesIOState, TensorRecord, span_elements
 from hpckpt.core.unpickle import safe_global
 
@@ -117,11 +117,6 @@ def _bytes(*args: Any) -> bytes:
     return bytes(*args)
 
 
-def _device(*args: Any) -> str:
-    """`torch.device('cpu')` inside a saved value: keep the device as its string."""
-    return ":".join(str(a) for a in args)
-
-
 # (an allow-list table like core/unpickle.py's: these are the globals only torch.save records name)
 RECORD_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
@@ -132,7 +127,6 @@ RECORD_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
     ("torch", "Tensor"): _TensorType,
     ("torch.nn.parameter", "Parameter"): _TensorType,
-    ("torch", "device"): _device,
     ("_io", "BytesIO"): BytesIOState,
     ("io", "BytesIO"): BytesIOState,
     ("builtins", "bytes"): _bytes,
@@ -143,8 +137,19 @@ RECORD_GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
+# Known torch objects hpckpt does not rebuild: a tensor subclass pickled whole (a DTensor inside a
+# value PyTorch DCP saved with `flatten_state_dict=False`) is refused as such, not as unsafe.
+_TENSOR_SUBCLASSES = {("torch._utils", "_rebuild_wrapper_subclass"), ("torch.distributed.tensor", "DTensor"),
+                      ("torch.distributed.tensor._api", "DTensor"), ("torch.distributed._tensor.api", "DTensor"),
+                      ("torch.distributed.device_mesh", "DeviceMesh")}
+
+
 def record_global(module: str, name: str) -> Any:
     """Resolver for torch.save pickles: tensor rebuilds and storage types, then `safe_global`."""
+    if (module, name) in _TENSOR_SUBCLASSES:
+        raise UnknownFormatError(f"{module}.{name}: a tensor subclass (such as a DTensor) pickled whole inside a "
+                                 "value, which hpckpt does not read", hint="save with the default planner "
+                                 "(flatten_state_dict=True), which stores a DTensor's shards as items")
     try:
         return RECORD_GLOBALS[(module, name)]
     except KeyError:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hpckpt.core.dtypes import DType
-from hpckpt.core.errors import CorruptDataError
+from hpckpt.core.errors import CorruptDataError, UnsafePickleError
 from hpckpt.core.index import Location
 
 
@@ -74,6 +74,25 @@ def span_elements(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
     if 0 in shape:
         return 0
     return 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+
+
+@dataclass(frozen=True)
+class TorchDevice:
+    """A `torch.device` inside a saved value (`torch.device("cuda", 0)` is `TorchDevice("cuda:0")`):
+    kept as what it is, so that writers that can (torch.save, PyTorch DCP) save it as a device
+    again and the others report it converted, never pass its string off as the same value."""
+
+    spec: str
+
+    def __str__(self) -> str:
+        return self.spec
+
+    @classmethod
+    def unpickled(cls, *args: Any) -> "TorchDevice":
+        """What `torch.device(type)` / `torch.device(type, index)` in a pickle becomes."""
+        if not 1 <= len(args) <= 2 or not isinstance(args[0], str) or (len(args) == 2 and type(args[1]) is not int):
+            raise UnsafePickleError(f"refusing torch.device{args!r}: only device(type) and device(type, index)")
+        return cls(":".join(str(a) for a in args))
 
 
 class BytesIOState:

@@ -22,6 +22,7 @@ from hpckpt.core import dtypes
 from hpckpt.core.errors import CorruptMetadataError, HpckptError, UnsafePickleError
 from hpckpt.core.metadata import HP_CLASSES
 from hpckpt.core.torch_dcp_metadata import TORCH_DCP_CLASSES
+from hpckpt.core.torch_records import TorchDevice
 
 Resolver = Callable[[str, str], Any]
 
@@ -53,7 +54,7 @@ def _numpy_globals() -> dict[tuple[str, str], Any]:
 
 
 def _torch_globals() -> dict[tuple[str, str], Any]:
-    table: dict[tuple[str, str], Any] = {("torch", "Size"): tuple}
+    table: dict[tuple[str, str], Any] = {("torch", "Size"): tuple, ("torch", "device"): TorchDevice.unpickled}
     for d in dtypes.all_dtypes():  # every torch dtype: a refused one is refused as a dtype, not here
         if d.in_torch:
             table[("torch", d.name)] = d

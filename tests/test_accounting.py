@@ -224,3 +224,24 @@ def test_a_torch_dcp_record_that_fails_its_zip_crc_is_never_resharded(tmp_path):
     proc = run_hpckpt("reshard", src, "-o", tmp_path / "out", "--world-size", "2")
     assert proc.returncode == 9 and "CRC-32" in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_convert_ms_torch_knows_a_container_for_every_readable_format():
+    from hpckpt.api.convert import _KEEP_KIND
+    from hpckpt.converters import FORMATS
+
+    assert set(_KEEP_KIND) == {f.name for f in FORMATS}  # every name a source's index can report
+    assert all(format_named(kind).writer is not None for kind in _KEEP_KIND.values())
+
+
+def test_a_tensor_in_two_hf_shards_is_read_from_the_one_the_index_names(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2, 2), "a": torch.arange(3.0)}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"w": torch.zeros(2, 2), "b": torch.arange(2.0)}, tmp_path / "model-00002-of-00002.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors",
+        "w": "model-00002-of-00002.safetensors"}}))
+    api.convert(tmp_path, tmp_path / "out.pt")
+    assert torch.load(tmp_path / "out.pt", weights_only=True)["w"].sum() == 0  # shard 2's, as the index says

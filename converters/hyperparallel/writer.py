@@ -25,6 +25,8 @@ from hpckpt.core.metadata import (
     TensorStorageMetadata,
     dumps_metadata,
 )
+from hpckpt.core.pickle_builder import standalone_pickle
+from hpckpt.core.torch_records import TorchDevice
 from hpckpt.core.output import Extent, FileLayout, Finished, OutputLayout, Placement
 from hpckpt.core.plan import Plan, PlannedTensor
 from hpckpt.core.safetensors_io import encode_header
@@ -62,6 +64,23 @@ def physical_keys(fqns: list[str]) -> list[str]:
     return keys
 
 
+def _payload(value: Any, fqn: str) -> bytes:
+    """A value pickled as HyperParallel pickles it (protocol 4); one holding a torch dtype or
+    device is pickled naming torch's own globals (`torch.float32`), as torch would, since the
+    stock pickler would name hpckpt's stand-ins instead."""
+    if _names_torch(value):
+        return standalone_pickle(value, fqn)
+    return pickle.dumps(value, protocol=4)
+
+
+def _names_torch(value: Any) -> bool:
+    if isinstance(value, (DType, TorchDevice)):
+        return True
+    if isinstance(value, dict):
+        return any(_names_torch(k) or _names_torch(v) for k, v in value.items())
+    return isinstance(value, (list, tuple, set)) and any(_names_torch(v) for v in value)
+
+
 class HyperParallelWriter:
     """`FormatWriter` of HyperParallel DCP (call order in `converters.base`)."""
 
@@ -77,7 +96,7 @@ class HyperParallelWriter:
         self._plan = plan
         # Values are decoded (safely) and pickled again with protocol 4, as HyperParallel writes
         # them: the same bytes whatever the source format.
-        self._payloads = {v.fqn: pickle.dumps(values[v.fqn], protocol=4) for v in plan.values}
+        self._payloads = {v.fqn: _payload(values[v.fqn], v.fqn) for v in plan.values}
         file_metadata = {"format": "ms"} if self.mindspore else None
         files = []
         for rank, items in plan.by_rank.items():

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hpckpt.core import dtypes
+from hpckpt.core import dtypes, safetensors_io
 from hpckpt.core.box import Box
 from hpckpt.core.errors import (
     CorruptDataError,
@@ -34,6 +34,7 @@ from hpckpt.core.torch_dcp_metadata import (
     TensorStorageMetadata,
     _StorageInfo,
 )
+from hpckpt.converters.safetensors_pieces import saved_offsets
 from hpckpt.converters.torch_dcp import metadata_files, nested
 from hpckpt.converters.torch_dcp.metadata_files import RANK_FILE, RANK_LOCAL
 from hpckpt.core.torch_zip import ZIP_MAGIC, TensorRecord, load_record
@@ -43,7 +44,9 @@ _ZIP_END, _ZIP_END_SIZE = b"PK\x05\x06", 22  # a zip's end-of-central-directory 
 
 
 class TorchDcpLocator:
-    """Finds chunk bytes by parsing the torch.save record at each item's byte range (cached)."""
+    """Finds chunk bytes by parsing the torch.save record at each item's byte range (cached), or,
+    in a `.distcp` that is a safetensors file (`FileSystemWriter(serialization_format=
+    SerializationFormat.SAFETENSORS)`), by the item's name in its header."""
 
     def __init__(self, root: Path, transformed: dict[tuple[str, str], Any] | None = None,
                  expanded: nested.Expanded | None = None):
@@ -52,17 +55,44 @@ class TorchDcpLocator:
         self.nested_tensors = expanded.records if expanded else {}  # (file, key) -> tensor inside a value record
         self.leaves = expanded.leaves if expanded else {}  # value name -> leaf of a value record
         self._records: dict[tuple[str, int], Any] = {}
+        self._safetensors: dict[str, safetensors_io.SafetensorsHeader | None] = {}
+
+    def _safetensors_header(self, file: str) -> safetensors_io.SafetensorsHeader | None:
+        """The header of a `.distcp` written as one safetensors file (None: torch.save records)."""
+        if file not in self._safetensors:
+            path = resolve_inside(self.root, file)
+            self._safetensors[file] = (safetensors_io.read_header(path, strict=False)
+                                       if path.is_file() and safetensors_io.is_safetensors(path) else None)
+        return self._safetensors[file]
 
     def file_problems(self, relative: str) -> list[str]:
-        """`.distcp` files are concatenated records with no header of their own: each record is
-        checked when its item is located."""
-        return []
+        """`.distcp` files of torch.save records have no header of their own: each record is
+        checked when its item is located; a safetensors one has its header checked."""
+        header = self._safetensors_header(relative)
+        return list(header.problems) if header is not None else []
+
+    def _locate_safetensors(self, header: safetensors_io.SafetensorsHeader, chunk: Chunk,
+                            entry: TensorEntry) -> Location:
+        info = header.entries.get(entry.fqn)
+        if info is None:
+            raise EntryMismatchError(f"{chunk.file}: has no tensor {entry.fqn!r}")
+        if header.problems:
+            raise CorruptDataError(f"{chunk.file}: {header.problems[0]}")
+        placed = saved_offsets(header) or {}
+        if info.dtype != entry.dtype or tuple(info.shape) != tuple(chunk.box.sizes) or \
+                tuple(placed.get(entry.fqn, chunk.box.offsets)) != tuple(chunk.box.offsets):
+            raise EntryMismatchError(f"{chunk.file}: tensor {entry.fqn!r} is {info.dtype} {list(info.shape)} at "
+                                     f"{list(placed.get(entry.fqn, ()))}, the metadata says {entry.dtype} {chunk.box}")
+        return Location(header.path, info.begin, info.end - info.begin, info.dtype, info.shape)
 
     def locate(self, chunk: Chunk, entry: TensorEntry) -> Location:
         record = self.nested_tensors.get((chunk.file, chunk.key))
         if record is not None:
             self._check(record, chunk, entry)
             return record.location(resolve_inside(self.root, chunk.file))
+        header = self._safetensors_header(chunk.file)
+        if header is not None:
+            return self._locate_safetensors(header, chunk, entry)
         path, record = self._record(chunk.file, chunk.key, entry.fqn)
         if not isinstance(record, TensorRecord):
             raise CorruptDataError(

@@ -14,6 +14,7 @@ from typing import Any
 
 from hpckpt.converters.base import WriterOptions
 from hpckpt.converters.torch_dcp.metadata_pickle import StoredItem, dumps_torch_metadata
+from hpckpt.core.pickle_builder import loadable_values
 from hpckpt.core.output import Extent, FileLayout, Finished, OutputLayout, Placement
 from hpckpt.core.plan import Plan
 from hpckpt.core.torch_archive import TorchArchive
@@ -39,6 +40,7 @@ class TorchDcpWriter:
     def layout(self, plan: Plan, values: Mapping[str, Any]) -> OutputLayout:
         self._plan, self._items, self._archives = plan, [], {}
         files = []
+        kept, skipped, converted = loadable_values((v.fqn, values[v.fqn]) for v in plan.values)
         for rank in self._ranks(plan):
             name, position, produce = distcp_name(rank), 0, rank in plan.producing
             fixed, boxes, archives = [], [], []
@@ -54,19 +56,19 @@ class TorchDcpWriter:
                     archives.append((crc_id, archive))
                 self._items.append(StoredItem(tensor.fqn, planned.box.offsets, planned.index, name, position, archive.size))
                 position += archive.size
-            for value in plan.values if rank == 0 else ():
+            for fqn, data in kept if rank == 0 else ():
                 archive = TorchArchive("archive", root="single")
-                archive.add_value(value.fqn, values[value.fqn])
+                archive.add_value(fqn, data)
                 archive.layout(position)
                 if produce:
                     fixed += archive.fixed
                     archives.append(("", archive))
-                self._items.append(StoredItem(value.fqn, None, None, name, position, archive.size))
+                self._items.append(StoredItem(fqn, None, None, name, position, archive.size))
                 position += archive.size
             if produce:
                 self._archives[name] = archives
                 files.append(FileLayout(name, position, tuple(fixed), tuple(boxes)))
-        return OutputLayout(tuple(files))
+        return OutputLayout(tuple(files), tuple(skipped), tuple(converted))
 
     def expected_files(self, plan: Plan) -> list[str]:
         return [distcp_name(rank) for rank in self._ranks(plan) if rank in plan.producing]
@@ -81,5 +83,8 @@ class TorchDcpWriter:
                 patches += [(name, at, data) for at, data in archive.finish({k: crcs[crc_id] for k in keys})]
         tensors = {t.fqn: (t.dtype, tuple(t.shape), [(b.box.offsets, b.box.sizes) for b in t.boxes])
                    for t in plan.tensors}
-        metadata = dumps_torch_metadata(tensors, [v.fqn for v in plan.values], self._items, dict(plan.nesting) or None)
+        stored = {item.fqn for item in self._items}  # values it could not hold are not listed
+        nesting = {k: v for k, v in plan.nesting.items() if k in stored}
+        metadata = dumps_torch_metadata(tensors, [v.fqn for v in plan.values if v.fqn in stored], self._items,
+                                        nesting or None)
         return Finished(tuple(patches), ((METADATA_NAME, metadata),))
