@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,17 +26,25 @@ MAX_SIDECAR_BYTES = 64 << 20
 
 
 def _document(values: Mapping[str, Any]) -> dict:
+    """Strict JSON (no NaN or Infinity tokens, which JSON does not have): a non-finite float is
+    `{"float": "nan"}`; one nested deeper is kept as its repr (and so reported converted)."""
     document = values_document(values)
     for fqn, value in values.items():
         if isinstance(value, (bytes, bytearray)):
             document[fqn]["value"] = {"base64": base64.b64encode(bytes(value)).decode("ascii")}
+        elif type(value) is float and not math.isfinite(value):
+            document[fqn]["value"] = {"float": repr(value)}
+        try:
+            json.dumps(document[fqn], allow_nan=False)
+        except ValueError:
+            document[fqn]["value"] = repr(value)
     return document
 
 
 def encode(values: Mapping[str, Any]) -> tuple[bytes, tuple[tuple[str, str], ...]]:
     """The sidecar's bytes, and `(fqn, reason)` of every value that would not read back as itself."""
     document = _document(values)
-    data = (json.dumps(document, indent=1) + "\n").encode()
+    data = (json.dumps(document, indent=1, allow_nan=False) + "\n").encode()
     back = json.loads(data)
     converted = tuple((fqn, f"{type(value).__name__} value kept in the JSON sidecar as "
                        f"{type(decode_one(back[fqn])).__name__} {_short(back[fqn]['value'])}")
@@ -70,6 +79,8 @@ def decode_one(item: Any) -> Any:
         return tuple(value)
     if kind in ("bytes", "bytearray") and isinstance(value, dict) and isinstance(value.get("base64"), str):
         return base64.b64decode(value["base64"])
+    if kind == "float" and isinstance(value, dict) and value.get("float") in ("nan", "inf", "-inf"):
+        return float(value["float"])
     return value
 
 

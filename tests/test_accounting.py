@@ -245,3 +245,24 @@ def test_a_tensor_in_two_hf_shards_is_read_from_the_one_the_index_names(tmp_path
         "w": "model-00002-of-00002.safetensors"}}))
     api.convert(tmp_path, tmp_path / "out.pt")
     assert torch.load(tmp_path / "out.pt", weights_only=True)["w"].sum() == 0  # shard 2's, as the index says
+
+
+def test_the_values_sidecar_is_strict_json_and_round_trips_what_it_can(tmp_path):
+    import math
+
+    import torch
+
+    src = tmp_path / "src.pt"
+    torch.save({"w": torch.ones(1), "nan": float("nan"), "inf": float("-inf"), "pair": (1, 2), "raw": b"\x00\xff",
+                "deep": [1.0, float("inf")]}, src)
+    report = api.convert(src, tmp_path / "out.safetensors")
+    text = (tmp_path / "out.values.json").read_text()
+
+    def refuse(token):
+        raise AssertionError(f"non-JSON token {token}")
+
+    json.loads(text, parse_constant=refuse)
+    assert [c["name"] for c in report["converted"]] == ["deep"]  # a nested inf: kept as its repr, and said so
+    back = open_index(tmp_path / "out.safetensors")
+    assert math.isnan(back.decode_value("nan")) and back.decode_value("inf") == float("-inf")
+    assert back.decode_value("pair") == (1, 2) and back.decode_value("raw") == b"\x00\xff"
