@@ -95,7 +95,9 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, *, layout: 
     if derived:
         from hpckpt.converters.naming import derive_values, with_tensors
 
-        view = with_tensors(view, derive_values(source, derived), {d.destination: d.dtype for d in derived})
+        values, inexact = derive_values(source, derived)
+        view = with_tensors(view, values, {d.destination: d.dtype for d in derived})
+        view.warnings.extend(inexact)
     if not fmt.whole_tensors and layout is None:
         layout = source_layout(view)
     target = pipeline.Target(fmt, layout, None, framework, dtype, casts or None, parse_size(max_shard_size), crc,

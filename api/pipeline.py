@@ -24,6 +24,7 @@ from hpckpt.core.layout import LayoutSpec
 from hpckpt.core.errors import UnsupportedDTypeError
 from hpckpt.core.plan import Plan, make_plan, out_dtype, whole_tensor_plan
 from hpckpt.core.plan_stats import rank_stats
+from hpckpt.core.validate import refuse_interrupted
 from hpckpt.core.write import WriteSettings, write_plan
 
 
@@ -102,6 +103,7 @@ def write(command: str, src: str | Path, dst: str | Path, source: CheckpointInde
     drop), reported as skipped with the rest."""
     started = time.perf_counter() if started is None else started
     dst = Path(dst)
+    refuse_interrupted(source)
     names, refused = _refuse_or_skip(source, target, names)
     plan = make_target_plan(source, target, names)
     wanted = None if names is None else set(names)

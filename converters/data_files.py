@@ -32,6 +32,7 @@ class DataFileLocator:
         self._headers: dict[str, safetensors_io.SafetensorsHeader] = {}
         self._sidecars: dict[str, dict] = {}
         self._lock = threading.Lock()
+        self.warnings: list[str] | None = None  # the index's: values that are no pickle are noted there
 
     def path(self, relative: str) -> Path:
         return resolve_inside(self.root, relative)
@@ -131,7 +132,12 @@ class DataFileLocator:
             return values_sidecar.decode_one(document[entry.fqn])
         data = self.value_bytes(entry)
         if not data.startswith(b"\x80"):
-            # HyperParallel writes `bytes` values raw, not pickled (format spec 4.4).
+            # HyperParallel writes `bytes` values raw, not pickled (format spec 4.4); a damaged
+            # pickle looks the same, so every command that reads one says so
+            note = (f"{entry.fqn}: its {len(data)} bytes in {entry.file} are no pickle: read as a raw bytes value, as "
+                    "HyperParallel saves one (HyperParallel's own loader cannot load it)")
+            if self.warnings is not None and note not in self.warnings:
+                self.warnings.append(note)
             return data
         try:
             return loads(data, what=f"{entry.file} value {entry.fqn}")

@@ -29,7 +29,7 @@ from hpckpt.core.durable import fsync_files, start_writeback
 from hpckpt.core.errors import CorruptDataError
 from hpckpt.core.index import BufferLocation, CheckpointIndex, Chunk, Location
 from hpckpt.core.output import Extent, FileLayout, Finished, OutputLayout, Placement
-from hpckpt.core.overlap import ChunkIndex, boxes_to_arrays, check_covered
+from hpckpt.core.overlap import ChunkIndex, boxes_to_arrays, check_covered, check_inside
 from hpckpt.core.plan_stats import RankStats
 from hpckpt.core.read import OpenFiles, read_region
 from hpckpt.core.tiles import contiguous_in, contiguous_tiles, linear
@@ -203,7 +203,9 @@ def source_pieces(index: CheckpointIndex, placements: list[Placement]) -> dict[i
         entry = index.tensors[fqn]
         ndim = len(entry.shape)
         chunks = entry.chunks
-        finder = ChunkIndex(ndim, *entry.chunk_arrays())
+        chunk_offsets, chunk_sizes = entry.chunk_arrays()
+        check_inside(fqn, tuple(entry.shape), chunk_offsets, chunk_sizes)
+        finder = ChunkIndex(ndim, chunk_offsets, chunk_sizes)
         offsets, sizes = boxes_to_arrays([p.box.box for p in group], ndim)
         found = finder.pieces(offsets, sizes)
         check_covered(fqn, found, offsets, sizes, finder)

@@ -116,6 +116,23 @@ class ChunkIndex:
 MAX_CHECK_CELLS = 1 << 22
 
 
+def check_inside(fqn: str, shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray) -> None:
+    """Every stored chunk lies inside its tensor: one that sticks out means the metadata's shape
+    is wrong, and a copy of the tensor's shape would drop the part outside without a word.
+
+    Raises:
+        GeometryError: naming the first chunk outside.
+    """
+    if not len(offsets) or not len(shape):
+        return
+    outside = np.flatnonzero(np.any((offsets < 0) | (sizes < 0) | (offsets + sizes > np.asarray(shape)), axis=1))
+    if len(outside):
+        i = int(outside[0])
+        box = Box(tuple(offsets[i].tolist()), tuple(sizes[i].tolist()))
+        raise GeometryError(f"{fqn}: chunk {i} {box} lies outside the tensor's shape {list(shape)}"
+                            + (f" (and {len(outside) - 1} more)" if len(outside) > 1 else ""))
+
+
 def check_covered(fqn: str, pieces: Pieces, offsets: np.ndarray, sizes: np.ndarray,
                   finder: ChunkIndex | None = None) -> None:
     """Every wanted box must be filled by the chunks, every element of it (`finder`: the chunk

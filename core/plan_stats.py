@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpckpt.core.index import CheckpointIndex
-from hpckpt.core.overlap import ChunkIndex, boxes_to_arrays, check_covered
+from hpckpt.core.overlap import ChunkIndex, boxes_to_arrays, check_covered, check_inside
 from hpckpt.core.plan import Plan
 
 
@@ -42,7 +42,9 @@ def rank_stats(plan: Plan, index: CheckpointIndex) -> list[RankStats]:
             continue
         entry = index.tensors[tensor.fqn]
         ndim = len(tensor.shape)
-        finder = ChunkIndex(ndim, *entry.chunk_arrays())
+        chunk_offsets, chunk_sizes = entry.chunk_arrays()
+        check_inside(tensor.fqn, tuple(entry.shape), chunk_offsets, chunk_sizes)
+        finder = ChunkIndex(ndim, chunk_offsets, chunk_sizes)
         offsets, sizes = boxes_to_arrays([b.box for b in boxes], ndim)
         pieces = finder.pieces(offsets, sizes)
         check_covered(tensor.fqn, pieces, offsets, sizes, finder)

@@ -21,7 +21,7 @@ import numpy as np
 from hpckpt.core import dtypes
 from hpckpt.core.box import Box
 from hpckpt.core.checksums import check_source
-from hpckpt.core.errors import EXIT_CODE_BY_KIND, HpckptError
+from hpckpt.core.errors import EXIT_CODE_BY_KIND, HpckptError, InterruptedSaveError
 from hpckpt.core.index import CheckpointIndex, TensorEntry
 from hpckpt.core.overlap import ChunkIndex, boxes_to_arrays
 from hpckpt.core.paths import resolve_inside
@@ -65,6 +65,7 @@ def validate(index: CheckpointIndex) -> list[Finding]:
     for entry in index.tensors.values():
         _check_tensor(index, entry, bad_files, findings, checksums)
     findings.extend(_check_checksums(checksums))
+    noted = len(index.warnings)
     for fqn, value in index.values.items():
         if value.file in bad_files:
             continue
@@ -72,6 +73,8 @@ def validate(index: CheckpointIndex) -> list[Finding]:
             index.decode_value(fqn)
         except HpckptError as exc:
             findings.append(_error(exc, fqn=fqn, file=value.file))
+    # what reading the values made the reader warn of (a value that is no pickle, read as bytes)
+    findings.extend(Finding("corrupt-data", "warning", note) for note in index.warnings[noted:])
     findings.extend(_leftovers(index.root))
     return findings
 
@@ -228,6 +231,23 @@ def _cells_to_boxes(mask: np.ndarray, cuts: list[list[int]]) -> tuple[list[Box],
     if mask.any():
         remaining = int(mask.sum())  # cells, an upper bound on the boxes left unreported
     return boxes, remaining
+
+
+def refuse_interrupted(index: CheckpointIndex) -> None:
+    """A writing command reads a checkpoint only if no save into it is unfinished: its data
+    files may already hold the next step's bytes under the old `.metadata`.
+
+    Raises:
+        InterruptedSaveError: the files `verify` reports as an error of kind interrupted-save.
+    """
+    if not isinstance(index.root, Path) or not index.root.is_dir():
+        return
+    errors = [f for f in _leftovers(index.root) if f.severity == "error"]
+    if errors:
+        raise InterruptedSaveError(f"{index.root}: {errors[0].message}" + (f" (and {len(errors) - 1} more)"
+                                   if len(errors) > 1 else ""),
+                                   hint="its data files may hold a newer step than its .metadata says: "
+                                        "finish or remove that save first")
 
 
 def _leftovers(root: Path) -> list[Finding]:

@@ -266,3 +266,49 @@ def test_the_values_sidecar_is_strict_json_and_round_trips_what_it_can(tmp_path)
     back = open_index(tmp_path / "out.safetensors")
     assert math.isnan(back.decode_value("nan")) and back.decode_value("inf") == float("-inf")
     assert back.decode_value("pair") == (1, 2) and back.decode_value("raw") == b"\x00\xff"
+
+
+# --------------------------------------------------------------------------------------------
+# Second red-team round: damaged HyperParallel metadata and values, unfinished saves, counters
+
+
+def test_a_chunk_outside_its_tensor_is_refused_by_every_writing_command(tmp_path):
+    src = write_hp(tmp_path / "src", {"w": ("torch.float32", (3, 4), [  # the metadata says 3 rows
+        ("_rank0_.safetensors", "w", (0, 0), W[:2]), ("_rank1_.safetensors", "w", (2, 0), W[2:])])})  # 4 stored
+    for argv in (["consolidate", src, "-o", tmp_path / "out.safetensors"], ["convert", src, "-o", tmp_path / "o.pt"],
+                 ["reshard", src, "-o", tmp_path / "rs", "--world-size", "2"]):
+        proc = run_hpckpt(*argv)
+        assert proc.returncode == 11 and "outside the tensor" in proc.stderr, (argv, proc.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_files_of_an_unfinished_save_stop_every_writing_command(tmp_path):
+    src = copy_fixture("m0-torch-4rank", tmp_path / "src")
+    (src / "STORAGE_DATA_1.pkl").write_bytes(b"\x80\x04N.")
+    proc = run_hpckpt("convert", src, "-o", tmp_path / "out.pt")
+    assert proc.returncode == 13 and "STORAGE_DATA_1.pkl" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_value_that_is_no_pickle_is_read_as_bytes_and_said_so(tmp_path):
+    src = write_hp(tmp_path / "src", {"w": ("torch.float32", (4, 4), [("_rank0_.safetensors", "w", (0, 0), W)])},
+                   {"step": ("_rank0_.bytes", b"\xee\x04Kd.")})  # a damaged pickle, or a raw bytes value
+    proc = run_hpckpt("convert", src, "-o", tmp_path / "out.pt", "--json")
+    assert proc.returncode == 0
+    assert any("no pickle" in w for w in json.loads(proc.stdout)["warnings"])
+    assert any(line.startswith("warning: source: step:") for line in proc.stderr.splitlines())
+    verified = run_hpckpt("verify", src, "--json")
+    assert any(f["severity"] == "warning" and "no pickle" in f["message"] for f in json.loads(verified.stdout)["findings"])
+
+
+def test_a_counter_the_destination_dtype_rounds_is_warned_of(tmp_path):
+    import mindspore as ms
+    from mindspore import Parameter, Tensor
+
+    src = tmp_path / "train.ckpt"
+    params = {"w": np.ones((2,), np.float32), "moment1.w": np.zeros(2, np.float32), "moment2.w": np.zeros(2, np.float32),
+              "global_step": np.array(2**24 + 1, np.int32)}
+    ms.save_checkpoint([{"name": k, "data": Parameter(Tensor(v), name=k)} for k, v in params.items()], str(src))
+    proc = run_hpckpt("convert-ms-torch", src, "-o", tmp_path / "out.pt")
+    assert proc.returncode == 0, proc.stderr
+    assert any("16777217" in line and "held as 16777216" in line for line in proc.stderr.splitlines()), proc.stderr

@@ -74,14 +74,15 @@ class HyperParallelReader:
 
     def read_index(self, path: Path, *, use_cache: bool = False) -> CheckpointIndex:
         names = metadata_files(path)
+        index = None
         if use_cache:
-            cached = index_cache.load(path, names, DataFileLocator(path), lambda: self._parse(path, names))
-            if cached is not None:
-                return cached
-        index = self._parse(path, names)
-        if use_cache:
-            inferred_layouts(index)  # the snapshot keeps what inspect derives
-            index_cache.store(index)
+            index = index_cache.load(path, names, DataFileLocator(path), lambda: self._parse(path, names))
+        if index is None:
+            index = self._parse(path, names)
+            if use_cache:
+                inferred_layouts(index)  # the snapshot keeps what inspect derives
+                index_cache.store(index)
+        index.locator.warnings = index.warnings  # a value read as raw bytes is said so (DataFileLocator)
         return index
 
     def _parse(self, path: Path, names: list[str]) -> CheckpointIndex:

@@ -43,12 +43,15 @@ def _agreed(scalars: Callable[[str], list[float]], names: list[str], what: str) 
     return found.pop()[0] if found else 0.0
 
 
-def derive_values(index: CheckpointIndex, derived: Iterable[Derived]) -> dict[str, np.ndarray]:
-    """The value of each `Derived` entry, as an array of its dtype and shape."""
+def derive_values(index: CheckpointIndex, derived: Iterable[Derived]) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The value of each `Derived` entry, as an array of its dtype and shape, and a warning for
+    each whose dtype cannot hold the value exactly (a `global_step` above 2**24 in torch's float32
+    `step`, rounded as torch itself would round it)."""
     # read each counter once: a preset derives a `step` (or `lr`) per parameter from one counter,
     # and both beta powers from the same steps
     scalars = functools.cache(lambda name: _scalars(index, name))
     out: dict[str, np.ndarray] = {}
+    warnings: list[str] = []
     for d in derived:
         if d.kind == "num_batches_tracked":
             value = 0.0
@@ -67,8 +70,11 @@ def derive_values(index: CheckpointIndex, derived: Iterable[Derived]) -> dict[st
             value = beta.pop() ** _agreed(scalars, steps, d.destination)
         else:
             raise ValueError(f"{d.destination}: unknown derived kind {d.kind!r}")
-        out[d.destination] = np.full(d.shape, value, dtype=d.dtype.np)
-    return out
+        out[d.destination] = held = np.full(d.shape, value, dtype=d.dtype.np)
+        if held.size and held.reshape(-1)[0].item() != value:
+            warnings.append(f"{d.destination}: {value!r} is held as {held.reshape(-1)[0].item()!r} by its dtype "
+                            f"{held.dtype}, the one the destination framework uses")
+    return out, warnings
 
 
 def _lr(index: CheckpointIndex, scalars: Callable[[str], list[float]], sources: list[str]) -> float:
