@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpckpt.core.metadata import RequiredFields
+
 
 @dataclass
 class ChunkStorageMetadata:
@@ -17,7 +19,7 @@ class ChunkStorageMetadata:
 
 
 @dataclass
-class TensorProperties:
+class TensorProperties(RequiredFields):
     dtype: Any = None
     layout: Any = None
     requires_grad: bool = False
@@ -32,14 +34,14 @@ class TensorProperties:
 
 
 @dataclass
-class TensorStorageMetadata:
+class TensorStorageMetadata(RequiredFields):
     properties: TensorProperties = None  # type: ignore[assignment]
     size: tuple = ()
     chunks: list = field(default_factory=list)
 
 
 @dataclass
-class BytesStorageMetadata:
+class BytesStorageMetadata(RequiredFields):
     pass
 
 
@@ -51,7 +53,7 @@ class MetadataIndex:
 
 
 @dataclass
-class StorageMeta:
+class StorageMeta(RequiredFields):
     checkpoint_id: Any = None
     save_id: str | None = None
     load_id: str | None = None
@@ -59,7 +61,7 @@ class StorageMeta:
 
 
 @dataclass
-class Metadata:
+class Metadata(RequiredFields):
     state_dict_metadata: dict = field(default_factory=dict)
     planner_data: Any = None
     storage_data: Any = None

@@ -312,3 +312,27 @@ def test_a_counter_the_destination_dtype_rounds_is_warned_of(tmp_path):
     proc = run_hpckpt("convert-ms-torch", src, "-o", tmp_path / "out.pt")
     assert proc.returncode == 0, proc.stderr
     assert any("16777217" in line and "held as 16777216" in line for line in proc.stderr.splitlines()), proc.stderr
+
+
+def test_a_chunk_with_other_dims_than_its_tensor_is_corrupt_metadata_not_a_crash(tmp_path):
+    src = write_hp(tmp_path / "src", {"w": ("torch.float32", (4, 4), [
+        ("_rank0_.safetensors", "w", (0, 0), W, (16,))])})  # the metadata claims a 1-D box of a 2-D tensor
+    for argv in (["inspect", src], ["convert", src, "-o", tmp_path / "o.pt"], ["reshard", src, "-o", tmp_path / "r", "-w", "2"]):
+        proc = run_hpckpt(*argv)
+        assert proc.returncode in (6, 11) and "Traceback" not in proc.stderr and "internal" not in proc.stderr, (argv, proc.stderr)
+
+
+def test_a_metadata_object_missing_a_field_is_a_schema_error():
+    from hpckpt.core import metadata
+    from hpckpt.core.errors import CorruptMetadataError
+
+    for cls in (metadata.Metadata, metadata.TensorStorageMetadata, metadata.TensorProperties):
+        broken = object.__new__(cls)  # what unpickling an object whose state lacks every field gives
+        import dataclasses
+
+        field_name = next(f.name for f in dataclasses.fields(cls)
+                          if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        with pytest.raises(CorruptMetadataError, match=field_name):
+            getattr(broken, field_name)
+        with pytest.raises(AttributeError):
+            broken.not_a_field  # noqa: B018

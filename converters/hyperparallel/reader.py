@@ -202,7 +202,7 @@ class _Source:
                 entry = tensors.get(fqn)
                 if entry is None:
                     tensors[fqn] = TensorEntry(fqn, dtype, shape, None, spelling, build=build, n_chunks=len(item.chunks),
-                                               build_arrays=functools.partial(_arrays, item, len(shape)),
+                                               build_arrays=functools.partial(_arrays, item, len(shape), fqn),
                                                build_files=functools.partial(self.files, fqn, item))
                 elif entry.dtype != dtype or entry.shape != shape:
                     raise CorruptMetadataError(
@@ -227,9 +227,10 @@ def _ints(values) -> tuple[int, ...]:
     return tuple(map(int, values))
 
 
-def _arrays(item: TensorStorageMetadata, ndim: int) -> tuple[np.ndarray, np.ndarray]:
+def _arrays(item: TensorStorageMetadata, ndim: int, fqn: str = "a tensor") -> tuple[np.ndarray, np.ndarray]:
     chunks = item.chunks
-    return int_rows([c.offsets for c in chunks], ndim), int_rows([c.sizes for c in chunks], ndim)
+    return int_rows([c.offsets for c in chunks], ndim, f"chunk of {fqn}"), int_rows([c.sizes for c in chunks], ndim,
+                                                                                     f"chunk of {fqn}")
 
 
 def _concat(first, second):
