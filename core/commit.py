@@ -97,6 +97,10 @@ class Staging:
         self.sync = sync
         self.file_output = file_output
         refuse_existing(self.dest, force)
+        if file_output and self.dest.is_dir():  # --force replaces a file with a file, never a directory
+            raise DestinationExistsError(f"{self.dest} is a directory; a single-file output cannot replace it",
+                                         hint="name a file (model.safetensors, model.pt, model.ckpt), or remove "
+                                              "the directory yourself")
         self.dest.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_staging(self.dest)
         self.path = self.dest.parent / f".{self.dest.name}{TMP_MARK}{os.getpid()}"

@@ -336,3 +336,17 @@ def test_a_metadata_object_missing_a_field_is_a_schema_error():
             getattr(broken, field_name)
         with pytest.raises(AttributeError):
             broken.not_a_field  # noqa: B018
+
+
+@pytest.mark.parametrize("argv", [["consolidate", "{src}", "-o", "{out}", "--force"],
+                                  ["convert", "{src}", "-o", "{out}", "--to", "pt", "--force"],
+                                  ["convert", "{src}", "-o", "{out}", "--to", "ms", "--force"]])
+def test_force_never_replaces_a_directory_with_a_file(tmp_path, argv):
+    src = copy_fixture("m0-torch-4rank", tmp_path / "src")
+    out = tmp_path / "outdir"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    proc = run_hpckpt(*[a.format(src=src, out=out) for a in argv])
+    assert proc.returncode == 14 and "is a directory" in proc.stderr, proc.stderr
+    assert (out / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outdir", "src"]  # no sidecar left beside it
