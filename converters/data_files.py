@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from hpckpt.core import checksums, safetensors_io
-from hpckpt.core.errors import CorruptDataError, CorruptMetadataError, EntryMismatchError, MissingFileError
+from hpckpt.core.errors import (
+    CorruptDataError,
+    CorruptMetadataError,
+    EntryMismatchError,
+    MissingFileError,
+    UnsupportedDTypeError,
+)
 from hpckpt.core.index import Chunk, Location, TensorEntry, ValueEntry
 from hpckpt.core.paths import resolve_inside
 from hpckpt.core.read import open_data_file, pread_exact
@@ -61,6 +67,20 @@ class DataFileLocator:
         check_mindspore_crc(header)
         return {key: Location(path, info.begin, info.end - info.begin, info.dtype, info.shape)
                 for key, info in header.entries.items()}
+
+    def header(self, relative: str) -> safetensors_io.SafetensorsHeader:
+        """A data file's header, read once whoever asks (the index, then every locate).
+
+        Raises:
+            CorruptDataError: the header is malformed (`UnsupportedDTypeError` for a dtype hpckpt refuses).
+        """
+        header = self._header(relative, self.path(relative))
+        if header.problems:
+            raise CorruptDataError(f"{header.path}: {header.problems[0]}")
+        if header.unsupported:
+            key, why = next(iter(header.unsupported.items()))
+            raise UnsupportedDTypeError(f"{header.path}: tensor {key!r}: {why}")
+        return header
 
     def _header(self, relative: str, path: Path) -> safetensors_io.SafetensorsHeader:
         header = self._headers.get(relative)

@@ -8,7 +8,6 @@ the source's own `__metadata__` keys carried (`converters.safetensors_pieces`).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from hpckpt.converters import values_sidecar
 from hpckpt.converters.base import WriterOptions
 from hpckpt.converters.data_files import ZIP_MAGIC, DataFileLocator
 from hpckpt.core import safetensors_io
-from hpckpt.converters.safetensors_pieces import carried_metadata, saved_offsets, single_file_notes
+from hpckpt.converters.safetensors_pieces import HP_RANK_FILE, carried_metadata, saved_offsets, single_file_notes
 from hpckpt.core.box import Box, full_box
 from hpckpt.core.errors import CorruptMetadataError
 from hpckpt.core.index import CheckpointIndex, Chunk, TensorEntry
@@ -43,7 +42,7 @@ def index_safetensors_files(root: Path, files: list[str], fmt: str, *, assemble:
     headers = []
     twice: list[str] = []
     for name in files:
-        header = safetensors_io.read_header(locator.path(name))
+        header = locator.header(name)
         headers.append(header)
         frameworks.add({"ms": "mindspore", "pt": "torch"}.get(header.metadata.get("format", ""), None))
         offsets = saved_offsets(header) if assemble else None
@@ -52,7 +51,7 @@ def index_safetensors_files(root: Path, files: list[str], fmt: str, *, assemble:
             chunk = Chunk(Box(at, info.shape), name, key)
             entry = tensors.get(key)
             if entry is None:
-                tensors[key] = TensorEntry(key, info.dtype, _extent(chunk.box), [chunk], info.dtype.safetensors)
+                tensors[key] = TensorEntry(key, info.dtype, chunk.box.ends, [chunk], info.dtype.safetensors)
             elif offsets is not None:
                 _add_piece(entry, chunk, info.dtype, name)
             elif owners is not None and owners.get(key) == name:
@@ -81,10 +80,6 @@ def index_safetensors_files(root: Path, files: list[str], fmt: str, *, assemble:
     )
 
 
-def _extent(box: Box) -> tuple[int, ...]:
-    return tuple(o + s for o, s in zip(box.offsets, box.sizes))
-
-
 def _add_piece(entry: TensorEntry, chunk: Chunk, dtype, name: str) -> None:
     """One more piece of a tensor saved in pieces: the tensor grows to hold it."""
     if dtype != entry.dtype:
@@ -96,10 +91,9 @@ def _add_piece(entry: TensorEntry, chunk: Chunk, dtype, name: str) -> None:
         return  # the same piece saved twice (a replica): one is enough
     entry.chunks.append(chunk)
     entry.n_chunks = len(entry.chunks)
-    entry.shape = tuple(max(a, b) for a, b in zip(entry.shape, _extent(chunk.box)))
+    entry.shape = tuple(max(a, b) for a, b in zip(entry.shape, chunk.box.ends))
 
 
-_RANK_FILE = re.compile(r"^_rank\d+_\.safetensors$")
 
 
 def _single_file(path: Path) -> Path | None:
@@ -109,7 +103,7 @@ def _single_file(path: Path) -> Path | None:
         # `_rank{r}_.safetensors` alone is a HyperParallel rank file whose metadata is missing
         # (an interrupted save), not a one-file checkpoint.
         candidates = sorted(path.glob("*.safetensors"))
-        alone = len(candidates) == 1 and not _RANK_FILE.match(candidates[0].name)
+        alone = len(candidates) == 1 and not HP_RANK_FILE.match(candidates[0].name)
         if alone and not (path / "model.safetensors.index.json").exists():
             return candidates[0]
     return None
@@ -162,7 +156,7 @@ def safetensors_file(name: str, items: list[tuple[PlannedTensor, PlannedBox]], f
                      user_metadata: Mapping[str, str] | None = None) -> FileLayout:
     """One safetensors file of whole tensors under their own names, header first; the source's
     `user_metadata` keys go into `__metadata__` before hpckpt's own, which win."""
-    metadata = {k: v for k, v in sorted((user_metadata or {}).items()) if k != "format"}
+    metadata = dict(sorted((user_metadata or {}).items()))
     metadata["format"] = flavour
     head, offsets = safetensors_io.encode_header([(t.fqn, t.dtype, t.shape) for t, _ in items], metadata)
     boxes = tuple(Placement(t, b, (Extent(at, t.box_nbytes(b)),)) for (t, b), at in zip(items, offsets))

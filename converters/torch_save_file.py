@@ -30,6 +30,7 @@ from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, Val
 from hpckpt.core.nesting import flatten_nested, holds_tensor
 from hpckpt.core.paths import resolve_inside
 from hpckpt.core.pickle_builder import loadable_values
+from hpckpt.core.torch_records import is_tensor_record
 
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"  # pickle of torch's legacy magic number
 
@@ -56,21 +57,17 @@ class TorchSaveLocator:
                 for fqn, loc in self.locations.items() if loc.path.name == path.name and loc.offset + loc.nbytes > size]
 
 
-def _is_record(obj: Any) -> bool:
-    return isinstance(obj, torch_zip.TensorRecord)
-
-
 def _flatten(obj: Any, prefix: str, tensors: dict[str, torch_zip.TensorRecord], values: dict[str, Any]) -> None:
     """Dicts are entered as they always were; a list, tuple or odd-keyed dict holding a tensor is
     flattened as DCP names its leaves; anything else is one value (names and bytes unchanged)."""
-    if _is_record(obj):
+    if is_tensor_record(obj):
         _put(prefix, obj, tensors, values)
     elif isinstance(obj, dict) and obj and all(isinstance(k, (str, int)) for k in obj):
         for key, value in obj.items():
             _flatten(value, f"{prefix}.{key}" if prefix else str(key), tensors, values)
-    elif holds_tensor(obj, _is_record, tuples=True):
+    elif holds_tensor(obj, is_tensor_record, tuples=True):
         nested = {prefix: obj} if prefix else dict(enumerate(obj) if isinstance(obj, (list, tuple)) else obj.items())
-        for name, leaf in flatten_nested(nested, _is_record, tuples=True):
+        for name, leaf in flatten_nested(nested, is_tensor_record, tuples=True):
             _put(name, leaf, tensors, values)
     else:
         _put(prefix or "value", obj, tensors, values)
@@ -82,7 +79,7 @@ def _put(name: str, leaf: Any, tensors: dict, values: dict) -> None:
     if name in tensors or name in values:
         raise CorruptDataError(f"two entries flatten to the same name {name!r}: hpckpt names entries by "
                                "their key path joined with '.', and cannot keep both")
-    (tensors if _is_record(leaf) else values)[name] = leaf
+    (tensors if is_tensor_record(leaf) else values)[name] = leaf
 
 
 def flatten_record(path: Path, tree: Any) -> tuple[dict[str, torch_zip.TensorRecord], dict[str, Any]]:

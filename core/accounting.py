@@ -1,9 +1,9 @@
 """Nothing lost silently: every entry of a write is written, skipped with its reason, or the run fails.
 
-Every writing command passes through `core.write.write_plan`, and these checks run there, so no
-format and no command can bypass them:
+Every writing command passes through `api.pipeline.write` and `core.write.write_plan`, and these
+checks run there, so no format and no command can bypass them:
 
-1. `check_plan`: the plan holds every entry the command asked for (tensors and values);
+1. `check_plan` (pipeline): the plan holds every entry the command asked for (tensors and values);
 2. `check_layout`: before a byte is copied, the writer placed every planned box of the ranks
    this run writes, each once and with its size, for every tensor it did not report as skipped;
 3. `check_written`: before the output is committed, its metadata read back by the format's own

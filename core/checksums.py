@@ -14,6 +14,7 @@ import zlib
 from pathlib import Path
 
 from hpckpt.core.errors import CorruptDataError
+from hpckpt.core.output import Extent
 from hpckpt.core.read import open_data_file
 
 CRC_BLOCK_BYTES = 8 * 1024 * 1024
@@ -45,15 +46,8 @@ def crc_of(fd: int, extents, path: Path | str = "file", crc: int = 0) -> int:
     return crc
 
 
-class _Range:
-    __slots__ = ("offset", "nbytes")
-
-    def __init__(self, offset: int, nbytes: int):
-        self.offset, self.nbytes = offset, nbytes
-
-
 def crc_of_range(fd: int, offset: int, nbytes: int, path: Path | str = "file", crc: int = 0) -> int:
-    return crc_of(fd, (_Range(offset, nbytes),), path, crc)
+    return crc_of(fd, (Extent(offset, nbytes),), path, crc)
 
 
 def check_source(path: Path, offset: int, nbytes: int, crc: int) -> None:

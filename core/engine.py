@@ -24,7 +24,7 @@ import numpy as np
 
 from hpckpt.core.box import Box
 from hpckpt.core.cast import cast
-from hpckpt.core.checksums import CRC_BLOCK_BYTES, check_source, crc_of  # noqa: F401 (CRC_BLOCK_BYTES: tests)
+from hpckpt.core.checksums import check_source, crc_of
 from hpckpt.core.durable import fsync_files, start_writeback
 from hpckpt.core.errors import CorruptDataError
 from hpckpt.core.index import BufferLocation, CheckpointIndex, Chunk, Location
@@ -94,7 +94,6 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         at = offset + done
         n = min(len(data) - done, (at + WRITE_PIECE) // WRITE_ALIGN * WRITE_ALIGN - at)
         done += os.pwrite(fd, data[done:done + n], at)
-
 
 
 

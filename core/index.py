@@ -32,10 +32,9 @@ def int_rows(rows: Sequence[Sequence[int]], ndim: int, what: str = "a chunk") ->
         CorruptMetadataError: a row's length is not `ndim` (a chunk with other dims than its tensor),
             which would otherwise misalign every row after it.
     """
-    if sum(map(len, rows)) != len(rows) * ndim or any(len(r) != ndim for r in rows[:1]):
-        bad = next((r for r in rows if len(r) != ndim), None)
-        raise CorruptMetadataError(f"{what}: offsets or sizes {list(bad) if bad is not None else '?'} have "
-                                   f"{len(bad) if bad is not None else '?'} dims, its tensor {ndim}")
+    if set(map(len, rows)) - {ndim}:
+        bad = next(r for r in rows if len(r) != ndim)
+        raise CorruptMetadataError(f"{what}: offsets or sizes {list(bad)} have {len(bad)} dims, its tensor {ndim}")
     return np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=len(rows) * ndim).reshape(len(rows), ndim)
 
 

@@ -95,6 +95,11 @@ class TorchDevice:
         return cls(":".join(str(a) for a in args))
 
 
+def is_tensor_record(value: Any) -> bool:
+    """What flattening a torch.save record treats as a tensor leaf (`core.nesting`)."""
+    return isinstance(value, TensorRecord)
+
+
 class BytesIOState:
     """Stand-in for `io.BytesIO`: PyTorch DCP's default planner torch.saves a state dict's
     `io.BytesIO` whole; hpckpt reads its content as `bytes` (see `without_bytes_io`)."""

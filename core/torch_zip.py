@@ -27,7 +27,7 @@ from hpckpt.core.torch_globals import Storage, StorageType, record_global
 from hpckpt.core.torch_records import BytesIOState, TensorRecord, without_bytes_io
 from hpckpt.core.unpickle import Resolver, SafeUnpickler
 
-__all__ = ["ZIP_MAGIC", "TensorRecord", "is_zip_record", "load_record", "record_global"]
+__all__ = ["ZIP_MAGIC", "TensorRecord", "is_zip_record", "load_record"]
 
 ZIP_MAGIC = b"PK\x03\x04"
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, (skipped fields), name length, extra length

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from _util import read_location, torch_bytes
 from hpckpt.converters import format_named
 from hpckpt.converters.base import WriterOptions
-from hpckpt.core import dtypes, engine
+from hpckpt.core import checksums, dtypes
 from hpckpt.core.box import full_box
 from hpckpt.core import torch_archive as ta
 from hpckpt.core.errors import DestinationExistsError, EntryMismatchError
@@ -461,7 +461,7 @@ def test_zip64_path_with_lowered_limit(tmp_path, monkeypatch, produce, order):
 def test_memory_stays_bounded(tmp_path):
     """64 MiB written through the pipeline with 1 MiB of copy memory: the pipeline holds
     nothing of the tensor, only its tile buffers and the engine's CRC read-back buffer
-    (`engine.CRC_BLOCK_BYTES`, which `max_memory` does not bound)."""
+    (`checksums.CRC_BLOCK_BYTES`, which `max_memory` does not bound)."""
     array = np.ones(64 << 20, np.uint8)  # the source's own memory, allocated before tracing
     source = memory_index({"t": MemoryTensor.whole(dtypes.dtype("uint8"), array)})
     tracemalloc.start()
@@ -470,7 +470,7 @@ def test_memory_stays_bounded(tmp_path):
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert peak < engine.CRC_BLOCK_BYTES + (4 << 20)
+    assert peak < checksums.CRC_BLOCK_BYTES + (4 << 20)
     assert (tmp_path / "m.pt").stat().st_size > 64 << 20
 
 

@@ -227,10 +227,9 @@ def _ints(values) -> tuple[int, ...]:
     return tuple(map(int, values))
 
 
-def _arrays(item: TensorStorageMetadata, ndim: int, fqn: str = "a tensor") -> tuple[np.ndarray, np.ndarray]:
-    chunks = item.chunks
-    return int_rows([c.offsets for c in chunks], ndim, f"chunk of {fqn}"), int_rows([c.sizes for c in chunks], ndim,
-                                                                                     f"chunk of {fqn}")
+def _arrays(item: TensorStorageMetadata, ndim: int, fqn: str) -> tuple[np.ndarray, np.ndarray]:
+    chunks, what = item.chunks, f"chunk of {fqn}"
+    return int_rows([c.offsets for c in chunks], ndim, what), int_rows([c.sizes for c in chunks], ndim, what)
 
 
 def _concat(first, second):

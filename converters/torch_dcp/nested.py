@@ -22,7 +22,7 @@ from hpckpt.core.errors import CorruptMetadataError, HpckptError
 from hpckpt.core.index import Chunk, TensorEntry, ValueEntry
 from hpckpt.core.nesting import flatten_nested, holds_tensor
 from hpckpt.core.paths import resolve_inside
-from hpckpt.core.torch_records import TensorRecord
+from hpckpt.core.torch_records import TensorRecord, is_tensor_record
 from hpckpt.core.torch_zip import load_record
 from hpckpt.core.zip_directory import records_with_storages
 
@@ -36,10 +36,6 @@ class Expanded:
     planner: dict[str, tuple] = field(default_factory=dict)
     records: dict[tuple[str, str], TensorRecord] = field(default_factory=dict)  # (file, chunk key) -> tensor
     leaves: dict[str, Any] = field(default_factory=dict)  # value name -> its decoded leaf
-
-
-def _is_tensor(value: Any) -> bool:
-    return isinstance(value, TensorRecord)
 
 
 def _trees_holding_tensors(root: Path, values: dict[str, ValueEntry], skip: set[tuple[str, str]]) -> dict[str, Any]:
@@ -62,7 +58,7 @@ def _trees_holding_tensors(root: Path, values: dict[str, ValueEntry], skip: set[
                     tree = load_record(path, entry.offset, entry.length)
                 except HpckptError:
                     continue
-                if holds_tensor(tree, _is_tensor, tuples=True):
+                if holds_tensor(tree, is_tensor_record, tuples=True):
                     trees[entry.fqn] = tree
     return trees
 
@@ -90,7 +86,7 @@ def expand(root: Path, order: list[str], tensors: dict[str, TensorEntry], values
 
 def _add_leaves(root: Path, fqn: str, tree: Any, record: ValueEntry, taken: dict[str, str], out: Expanded) -> None:
     base, key = tuple(out.planner.pop(fqn, (fqn,))), f"{record.offset}:{record.length}"
-    for name, leaf in flatten_nested({fqn: tree}, _is_tensor, tuples=True):
+    for name, leaf in flatten_nested({fqn: tree}, is_tensor_record, tuples=True):
         if name in taken:
             first = "a top-level entry" if taken[name] == name else f"a leaf of {taken[name]!r}"
             raise CorruptMetadataError(f"{root}: two entries are named {name!r}: {first} and a leaf of {fqn!r}")
@@ -99,7 +95,7 @@ def _add_leaves(root: Path, fqn: str, tree: Any, record: ValueEntry, taken: dict
             out.planner[name] = base + _key_path(tree, name[len(fqn) + 1:])
         except LookupError:  # not expected: flattening named a path that is not there
             out.planner[name] = (name,)
-        if _is_tensor(leaf):
+        if is_tensor_record(leaf):
             chunk = Chunk(Box((0,) * len(leaf.shape), leaf.shape), file=record.file, key=f"{key}/{name}")
             out.records[(record.file, chunk.key)] = leaf
             out.tensors[name] = TensorEntry(name, leaf.dtype, leaf.shape, [chunk], dtype_spelling=leaf.dtype.torch)

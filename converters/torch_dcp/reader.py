@@ -56,6 +56,7 @@ class TorchDcpLocator:
         self.leaves = expanded.leaves if expanded else {}  # value name -> leaf of a value record
         self._records: dict[tuple[str, int], Any] = {}
         self._safetensors: dict[str, safetensors_io.SafetensorsHeader | None] = {}
+        self._placed: dict[str, dict] = {}  # file -> tensor -> saved offsets (DCP_SHARDING_INFO), parsed once
 
     def _safetensors_header(self, file: str) -> safetensors_io.SafetensorsHeader | None:
         """The header of a `.distcp` written as one safetensors file (None: torch.save records)."""
@@ -78,7 +79,9 @@ class TorchDcpLocator:
             raise EntryMismatchError(f"{chunk.file}: has no tensor {entry.fqn!r}")
         if header.problems:
             raise CorruptDataError(f"{chunk.file}: {header.problems[0]}")
-        placed = saved_offsets(header) or {}
+        placed = self._placed.get(chunk.file)
+        if placed is None:
+            placed = self._placed[chunk.file] = saved_offsets(header) or {}
         if info.dtype != entry.dtype or tuple(info.shape) != tuple(chunk.box.sizes) or \
                 tuple(placed.get(entry.fqn, chunk.box.offsets)) != tuple(chunk.box.offsets):
             raise EntryMismatchError(f"{chunk.file}: tensor {entry.fqn!r} is {info.dtype} {list(info.shape)} at "

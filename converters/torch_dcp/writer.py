@@ -32,6 +32,7 @@ class TorchDcpWriter:
     def __init__(self, options: WriterOptions):
         self._plan: Plan | None = None
         self._items: list[StoredItem] = []
+        self._values: list[str] = []  # the values the archives hold, in plan order
         self._archives: dict[str, list[tuple[str, TorchArchive]]] = {}  # file -> (checksum id, archive)
 
     def _ranks(self, plan: Plan) -> list[int]:
@@ -41,6 +42,7 @@ class TorchDcpWriter:
         self._plan, self._items, self._archives = plan, [], {}
         files = []
         kept, skipped, converted = loadable_values((v.fqn, values[v.fqn]) for v in plan.values)
+        self._values = [fqn for fqn, _ in kept]
         for rank in self._ranks(plan):
             name, position, produce = distcp_name(rank), 0, rank in plan.producing
             fixed, boxes, archives = [], [], []
@@ -83,8 +85,7 @@ class TorchDcpWriter:
                 patches += [(name, at, data) for at, data in archive.finish({k: crcs[crc_id] for k in keys})]
         tensors = {t.fqn: (t.dtype, tuple(t.shape), [(b.box.offsets, b.box.sizes) for b in t.boxes])
                    for t in plan.tensors}
-        stored = {item.fqn for item in self._items}  # values it could not hold are not listed
+        stored = {t.fqn for t in plan.tensors} | set(self._values)  # values it could not hold are not listed
         nesting = {k: v for k, v in plan.nesting.items() if k in stored}
-        metadata = dumps_torch_metadata(tensors, [v.fqn for v in plan.values if v.fqn in stored], self._items,
-                                        nesting or None)
+        metadata = dumps_torch_metadata(tensors, self._values, self._items, nesting or None)
         return Finished(tuple(patches), ((METADATA_NAME, metadata),))
