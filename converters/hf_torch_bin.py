@@ -81,6 +81,8 @@ class HfTorchBinReader:
                 named = weight_map.get(fqn) if weight_map is not None else None
                 if (fqn in tensors or fqn in values) and named != name:
                     continue  # in two shards: the one the index names wins, else the first
+                values.pop(fqn, None)  # a value of that name in an earlier shard loses to it
+                value_files.pop(fqn, None)
                 tensors[fqn] = TensorEntry(fqn, record.dtype, record.shape, [Chunk(full_box(record.shape), name, fqn)],
                                            record.dtype.torch)
                 locations[fqn] = record.location(shard)

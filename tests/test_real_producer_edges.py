@@ -153,3 +153,12 @@ def test_torch_dcp_saved_as_safetensors_is_read(tmp_path):
     got = torch.load(tmp_path / "out.pt", weights_only=True)
     for k, t in state.items():
         assert got[k].dtype == t.dtype and torch.equal(got[k].view(torch.uint8), t.view(torch.uint8)), k
+
+
+def test_an_entry_the_index_names_as_a_tensor_is_not_also_a_value(tmp_path):
+    torch.save({"w": 3, "a": torch.ones(1)}, tmp_path / "pytorch_model-00001-of-00002.bin")
+    torch.save({"w": torch.zeros(2)}, tmp_path / "pytorch_model-00002-of-00002.bin")
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        "a": "pytorch_model-00001-of-00002.bin", "w": "pytorch_model-00002-of-00002.bin"}}))
+    index = open_index(tmp_path)
+    assert "w" in index.tensors and "w" not in index.values
