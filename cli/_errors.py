@@ -25,9 +25,13 @@ def debug_enabled() -> bool:
 
 
 def print_error(message: str, hint: str | None = None) -> None:
-    sys.stderr.write(f"error: {message}\n")
+    """One `error:` line (and maybe one `hint:`): names from a checkpoint inside the message are
+    escaped here, so a name holding a newline or terminal codes cannot forge a line."""
+    from hpckpt.cli._output import printable
+
+    sys.stderr.write(f"error: {printable(message)}\n")
     if hint:
-        sys.stderr.write(f"hint: {hint}\n")
+        sys.stderr.write(f"hint: {printable(hint)}\n")
     sys.stderr.flush()
 
 

@@ -14,7 +14,7 @@ def emit_json(document: Any) -> None:
 
 def warn(message: str) -> None:
     """One `warning:` line on stderr (also in --json mode: stdout holds only the document)."""
-    sys.stderr.write(f"warning: {message}\n")
+    sys.stderr.write(f"warning: {printable(message)}\n")
     sys.stderr.flush()
 
 

@@ -112,6 +112,50 @@ class UnsupportedDTypeError(HpckptError):
     kind = "dtype-not-supported"
 
 
+class UnsafeDestinationError(HpckptError):
+    """The destination is the source, lies inside it or contains it, or `--force` would replace
+    something that is neither a checkpoint nor an output of hpckpt (nor an empty directory)."""
+
+    exit_code = 16
+    kind = "unsafe-destination"
+
+
+class DestinationLockedError(HpckptError):
+    """Another hpckpt run is writing the same destination (the message names its pid)."""
+
+    exit_code = 17
+    kind = "destination-locked"
+
+
+class NoSpaceError(HpckptError):
+    """The destination's file system is full (ENOSPC, or EDQUOT: over quota); nothing is left behind."""
+
+    exit_code = 18
+    kind = "no-space"
+
+
+class WriteFailedError(HpckptError):
+    """Writing the destination failed for another reason the system gave (permission denied, a
+    read-only file system, an I/O error); nothing is left behind."""
+
+    exit_code = 19
+    kind = "write-failed"
+
+
+class InterruptedRunError(HpckptError):
+    """Stopped by a signal: Ctrl-C (SIGINT, exit 130), SIGTERM (143) or SIGHUP (129), the shell's
+    128 + signal number; the staging data is removed before exiting."""
+
+    exit_code = 130
+    kind = "interrupted"
+
+    def __init__(self, signum: int = 2):
+        import signal
+
+        super().__init__(f"interrupted ({signal.Signals(signum).name})")
+        self.exit_code = 128 + signum
+
+
 class RulesFileError(HpckptError, ValueError):
     """Report a wrong rules file (TOML layout or name rules) as a usage error (exit 2).
 
@@ -168,6 +212,11 @@ ERROR_CLASSES: tuple[type[HpckptError], ...] = (
     InterruptedSaveError,
     DestinationExistsError,
     UnsupportedDTypeError,
+    UnsafeDestinationError,
+    DestinationLockedError,
+    NoSpaceError,
+    WriteFailedError,
+    InterruptedRunError,
 )
 
 EXIT_CODE_BY_KIND: dict[str, int] = {cls.kind: cls.exit_code for cls in ERROR_CLASSES}

@@ -30,13 +30,14 @@ class Progress:
 @dataclass(frozen=True)
 class WriteSettings:
     """How to write, whatever is written: workers, memory for copy buffers, durability, and
-    whether an existing destination may be replaced."""
+    whether an existing destination may be replaced or its missing parents created."""
 
     jobs: int | None = None
     max_memory: int = engine.DEFAULT_MAX_MEMORY
     sync: bool = True
     force: bool = False
     progress: Progress | None = None
+    parents: bool = False  # create missing parent directories of the destination (`--parents`)
 
 
 @dataclass(frozen=True)
