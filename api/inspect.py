@@ -71,7 +71,7 @@ def inspect(path: str | Path, select: Selection = Selection(), shards: Iterable[
             for fqn in shard_globs.names(names))
     return InspectReport(
         path=str(path), format=index.format, format_version=index.format_version, framework=index.framework,
-        world_size=index.world_size, files=_file_sizes(index),
+        world_size=index.world_size, world_size_exact=index.world_size_exact, files=_file_sizes(index),
         counts={"tensors": len(index.tensors), "values": len(index.values),
                 "chunks": sum(t.n_chunks for t in index.tensors.values()),
                 "tensor_bytes": sum(t.nbytes for t in index.tensors.values())},

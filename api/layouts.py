@@ -7,12 +7,13 @@ them, so `reshard --keep-layout` and a `convert` without layout options need no 
 from __future__ import annotations
 
 import math
-from typing import Any
-
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.layout import LayoutSpec, Mesh, Replicate, Shard, TensorLayout, infer
+from hpckpt.core.layout.spec import PlacementFitError
 
 
 def _splits(found) -> tuple[Shard, ...]:
@@ -68,3 +69,30 @@ def source_layout(index: CheckpointIndex) -> LayoutSpec:
         else:
             layouts[fqn] = TensorLayout(mesh, (Shard(0),))
     return LayoutSpec(mesh, layouts=layouts)
+
+
+def check_fit(layout: LayoutSpec | None, index: CheckpointIndex, names: Iterable[str] | None = None) -> list[str]:
+    """Check the target layout's placements against the tensors they apply to (`names`, default
+    all): returns one `layout:` warning per placement some tensors cannot take (they are
+    replicated on that mesh dim instead, each named).
+
+    Raises:
+        PlacementFitError: a placement fits none of the tensors it applies to (`--placements S9`
+            on 2-D tensors): a usage error, never a silent replication of everything.
+    """
+    if layout is None:
+        return []
+    wanted = None if names is None else set(names)
+    shapes = {fqn: e.shape for fqn, e in index.tensors.items() if wanted is None or fqn in wanted}
+    warnings = []
+    for m in layout.misfits(shapes):
+        where = f"{m.placement} (mesh dim {m.mesh_dim}, {m.source})"
+        if m.fits == 0:
+            dims = sorted({len(shapes[f]) for f in m.unfit})
+            raise PlacementFitError(
+                f"placement {where} fits none of the {len(m.unfit)} tensor(s) it applies to "
+                f"(they have {' or '.join(map(str, dims))} dims)",
+                hint="a Shard(d) needs tensors with more than d dims: check --placements or the layout rules")
+        warnings.append(f"layout: placement {where} does not fit {len(m.unfit)} of the {len(m.unfit) + m.fits} "
+                        f"tensor(s) it applies to, which are replicated on that mesh dim: {', '.join(m.unfit)}")
+    return warnings

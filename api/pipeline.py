@@ -14,8 +14,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpckpt.api.layouts import check_fit
 from hpckpt.api.reports import PlanSummary, WriteReport
-from hpckpt.core.accounting import check_plan
+from hpckpt.core.accounting import check_plan, check_source_chunks
 from hpckpt.converters.base import Format, WriterOptions
 from hpckpt.core import dtypes
 from hpckpt.core.dtypes import DType
@@ -58,6 +59,16 @@ def make_target_plan(source: CheckpointIndex, target: Target, names: Iterable[st
                      casts=target.casts)
 
 
+def _layout_record(target: Target) -> dict:
+    """The target mesh and, when one placement list applies to every tensor, its text: what a
+    writer may record beside the checkpoint (`converters.hpckpt_json`)."""
+    spec = target.layout
+    if spec is None or target.format.whole_tensors:
+        return {}
+    uniform = not spec.rules and not spec.layouts
+    return {"mesh": tuple(spec.mesh.shape), "placements": ",".join(map(str, spec.default)) if uniform else ""}
+
+
 def unsupported(source: CheckpointIndex, target: Target, names: Iterable[str] | None) -> list[tuple[str, str]]:
     """`(fqn, reason)` of every selected tensor whose dtype, as it would be written, the target
     format cannot hold."""
@@ -93,6 +104,13 @@ def _refuse_or_skip(source: CheckpointIndex, target: Target, names: Iterable[str
     return [n for n in everything if n not in left_out], tuple(refused)
 
 
+def _source_root(src: str | Path) -> Path:
+    """What the destination must not overlap: the checkpoint read, a directory for `DIR/.metadata`
+    as `converters.open_index` reads it."""
+    path = Path(src)
+    return path.parent if path.is_file() and path.name.endswith("metadata") else path
+
+
 def write(command: str, src: str | Path, dst: str | Path, source: CheckpointIndex, target: Target,
           settings: WriteSettings, *, names: Iterable[str] | None = None, dry_run: bool = False,
           started: float | None = None, extra: Mapping | None = None,
@@ -105,6 +123,7 @@ def write(command: str, src: str | Path, dst: str | Path, source: CheckpointInde
     dst = Path(dst)
     refuse_interrupted(source)
     names, refused = _refuse_or_skip(source, target, names)
+    fit_warnings = () if target.format.whole_tensors else check_fit(target.layout, source, names)
     plan = make_target_plan(source, target, names)
     wanted = None if names is None else set(names)
     check_plan(plan, (f for f in source.tensors if wanted is None or f in wanted),
@@ -112,16 +131,22 @@ def write(command: str, src: str | Path, dst: str | Path, source: CheckpointInde
     writer = target.format.writer(WriterOptions(name=dst.name, framework=target.framework,
                                                 source_framework=source.framework,
                                                 max_shard_bytes=target.max_shard_bytes, crc=target.crc,
-                                                user_metadata=tuple(source.user_metadata.items())))
+                                                user_metadata=tuple(source.user_metadata.items()),
+                                                **_layout_record(target)))
     layouts = not target.format.whole_tensors
     if dry_run:  # nothing is read but the metadata
         written = read = 0
+        paths = ()
         files, skipped, converted = len(writer.expected_files(plan)), tuple(sorted({*refused, *dropped})), ()
         ranks = tuple(rank_stats(plan, source))
     else:
+        check_source_chunks(plan, source)
         result = write_plan(plan, source, writer, dst, settings, file_output=target.format.destination == "file",
-                            fan_out=target.ranks is not None, read_back=target.format.reader.read_index)
+                            fan_out=target.ranks is not None, read_back=target.format.reader.read_index,
+                            source_path=_source_root(src))
         written, read, files, ranks = result.bytes_written, result.bytes_read, result.files, result.ranks
+        base = dst.parent if target.format.destination == "file" else dst
+        paths = tuple(str(base / name) for name in result.names)
         skipped, converted = tuple(sorted({*refused, *dropped, *result.skipped})), tuple(sorted(set(result.converted)))
     summary = PlanSummary(plan.world_size, ranks, files) if layouts else None
     return WriteReport(
@@ -129,4 +154,5 @@ def write(command: str, src: str | Path, dst: str | Path, source: CheckpointInde
         format=target.format.name, bytes_written=written, bytes_read=read,
         seconds=time.perf_counter() - started, files=files, dry_run=dry_run, plan=summary,
         finalized=(target.ranks is None) if layouts and not dry_run else None, skipped=skipped,
-        converted=converted, warnings=tuple(source.warnings), **(dict(extra) if extra else {}))
+        converted=converted, warnings=(*source.warnings, *fit_warnings), written=paths,
+        **(dict(extra) if extra else {}))

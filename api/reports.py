@@ -14,7 +14,10 @@ from hpckpt import __version__
 from hpckpt.core.plan_stats import RankStats
 from hpckpt.core.validate import Finding, exit_code
 
-SCHEMA_VERSION = 2  # 2: `skipped` and `converted` of a write report name the reason of each entry
+# 2: `skipped` and `converted` of a write report name the reason of each entry.
+# 3: every document starts with one envelope (`command`, `ok`, `written`, `skipped`, `warnings`),
+#    a failed command prints one too (`ok: false` and `error`), `gb_per_s` became `gib_per_s`.
+SCHEMA_VERSION = 3
 
 
 class Report:
@@ -37,8 +40,17 @@ class Report:
         return self._document.get(key, default)
 
 
-def _header() -> dict:
-    return {"schema": SCHEMA_VERSION, "hpckpt_version": __version__}
+def envelope(command: str | None, *, ok: bool = True, written=(), skipped=(), warnings=()) -> dict:
+    """The fields every document starts with, whatever the command (README: "JSON documents")."""
+    return {"schema": SCHEMA_VERSION, "hpckpt_version": __version__, "command": command, "ok": ok,
+            "written": list(written), "skipped": list(skipped), "warnings": list(warnings)}
+
+
+def error_document(command: str | None, kind: str, exit_code: int, message: str, hint: str | None,
+                   warnings=()) -> dict:
+    """What `--json` prints when a command fails: the envelope, `ok: false`, and the error."""
+    return {**envelope(command, ok=False, warnings=warnings),
+            "error": {"kind": kind, "exit_code": exit_code, "message": message, "hint": hint}}
 
 
 @dataclass(frozen=True)
@@ -86,12 +98,14 @@ class WriteReport(Report):
     warnings: tuple[str, ...] = ()  # what the source's reader warns of (a piece read as a tensor, ...)
     names: dict | None = None
     would_write: dict | None = None
+    written: tuple[str, ...] = ()  # the paths of the files written (data, metadata, side files)
 
     def to_json(self) -> dict:
         written, seconds = self.bytes_written, self.seconds
         doc = {
-            **_header(),
-            "command": self.command,
+            **envelope(self.command, written=self.written,
+                       skipped=[{"name": name, "reason": reason} for name, reason in self.skipped],
+                       warnings=self.warnings),
             "source": self.source,
             "destination": self.destination,
             "source_format": self.source_format,
@@ -100,12 +114,10 @@ class WriteReport(Report):
             "bytes_read": self.bytes_read,
             "read_amplification": round(self.bytes_read / written, 3) if written else None,
             "seconds": round(seconds, 3),
-            "gb_per_s": round(written / seconds / 1e9, 3) if seconds > 0 else None,
+            "gib_per_s": round(written / seconds / 2**30, 3) if seconds > 0 else None,
             "files": self.files,
             "dry_run": self.dry_run,
-            "skipped": [{"name": name, "reason": reason} for name, reason in self.skipped],
             "converted": [{"name": name, "reason": reason} for name, reason in self.converted],
-            "warnings": list(self.warnings),
         }
         if self.plan is not None:
             doc["plan"] = self.plan.to_json()
@@ -126,7 +138,7 @@ class FinalizeReport(Report):
     files: int
 
     def to_json(self) -> dict:
-        return {"schema": SCHEMA_VERSION, "destination": self.destination, "files": self.files, "finalized": True}
+        return {**envelope("reshard"), "destination": self.destination, "files": self.files, "finalized": True}
 
 
 @dataclass(frozen=True)
@@ -144,15 +156,17 @@ class InspectReport(Report):
     values: tuple[dict, ...]
     shards: tuple[dict, ...] | None = None
     notes: tuple[str, ...] = ()
+    world_size_exact: bool = False  # True: recorded by hpckpt's writer; False: at least, from file names
 
     def to_json(self) -> dict:
         doc = {
-            **_header(),
+            **envelope("inspect"),
             "path": self.path,
             "format": self.format,
             "format_version": self.format_version,
             "framework": self.framework,
             "world_size": self.world_size,
+            "world_size_exact": self.world_size_exact,
             "files": list(self.files),
             "total_bytes": sum(f["bytes"] or 0 for f in self.files),
             "counts": self.counts,
@@ -186,10 +200,9 @@ class VerifyReport(Report):
 
     def to_json(self) -> dict:
         return {
-            **_header(),
+            **envelope("verify", ok=self.ok),
             "path": self.path,
             "format": self.format,
-            "ok": self.ok,
             "exit_code": self.exit_code,
             "checked": self.checked,
             "findings": [f.to_json() for f in self.findings],

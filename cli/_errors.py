@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import sys
 from typing import Any, Callable
 
 import typer
 
-from hpckpt.core.errors import HpckptError
+from hpckpt.core.errors import HpckptError, NoSpaceError
 
 INTERNAL_ERROR = 1
 INTERRUPTED = 130
@@ -24,15 +25,39 @@ def debug_enabled() -> bool:
     return _state["debug"]
 
 
-def print_error(message: str, hint: str | None = None) -> None:
+def print_error(message: str, hint: str | None = None, *, kind: str = "internal",
+                exit_code: int = INTERNAL_ERROR) -> None:
     """One `error:` line (and maybe one `hint:`): names from a checkpoint inside the message are
-    escaped here, so a name holding a newline or terminal codes cannot forge a line."""
-    from hpckpt.cli._output import printable
+    escaped here, so a name holding a newline or terminal codes cannot forge a line. In --json
+    mode stdout gets the run's one document too, `"ok": false` with the error in it."""
+    from hpckpt.cli import _output
 
-    sys.stderr.write(f"error: {printable(message)}\n")
+    sys.stderr.write(f"error: {_output.printable(message)}\n")
     if hint:
-        sys.stderr.write(f"hint: {printable(hint)}\n")
+        sys.stderr.write(f"hint: {_output.printable(hint)}\n")
     sys.stderr.flush()
+    if _output.json_mode() and not _output.emitted():
+        from hpckpt.api.reports import error_document
+
+        _output.emit_json(error_document(_output.command_name(), kind, exit_code, message, hint,
+                                         _output.recorded_warnings()))
+
+
+class UsageErrors:
+    """Entered on the root context: a usage error (a wrong choice, a missing argument, a bad
+    option value) is printed as one `error:` line like every other error, with the JSON document
+    in --json mode, and exits 2. click hands a context's resources the exception unwinding it."""
+
+    def __enter__(self) -> "UsageErrors":
+        return self
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is None or getattr(exc, "exit_code", None) != 2 or not callable(getattr(exc, "format_message", None)):
+            return
+        ctx = getattr(exc, "ctx", None)
+        where = f"{ctx.command_path} --help" if ctx is not None else "hpckpt --help"
+        print_error(exc.format_message(), f"{where} lists the options and their values", kind="usage", exit_code=2)
+        raise typer.Exit(2) from None
 
 
 def handles_errors(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -47,10 +72,10 @@ def handles_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         except HpckptError as exc:
             if debug_enabled():
                 raise
-            print_error(exc.message, exc.hint)
+            print_error(exc.message, exc.hint, kind=exc.kind, exit_code=exc.exit_code)
             raise typer.Exit(exc.exit_code) from None
-        except KeyboardInterrupt:
-            print_error("interrupted")
+        except KeyboardInterrupt:  # SIGINT where the CLI's handler is not installed (cli._signals)
+            print_error("interrupted (SIGINT)", kind="interrupted", exit_code=INTERRUPTED)
             raise typer.Exit(INTERRUPTED) from None
         except BrokenPipeError:
             sys.stderr.close()  # the reader went away (`| head`): not an error of ours
@@ -58,6 +83,10 @@ def handles_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as exc:  # noqa: BLE001 - the last line of defence
             if debug_enabled():
                 raise
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):  # a full disk outside the writing path
+                print_error(f"no space left on device ({exc.filename or exc.strerror})", kind=NoSpaceError.kind,
+                            exit_code=NoSpaceError.exit_code)
+                raise typer.Exit(NoSpaceError.exit_code) from None
             print_error(f"internal error: {type(exc).__name__}: {exc}",
                         "rerun with --debug for the traceback and report it")
             raise typer.Exit(INTERNAL_ERROR) from None

@@ -1,21 +1,89 @@
-"""Where output goes: results on stdout (human tables or one JSON document), the rest on stderr."""
+"""Where output goes: results on stdout (human tables or one JSON document), the rest on stderr.
+
+One state for the whole run, set by the output options wherever they are given (before the
+command or after it): `--json`, `--quiet`, `--no-progress`, `--debug`.
+"""
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
+_state: dict[str, Any] = {}
+
+
+def reset(command: str | None = None, **flags: bool) -> None:
+    """Start a run: every flag off but those given (the options before the command)."""
+    _state.clear()
+    _state.update(json=False, quiet=False, no_progress=False, command=command, warnings=[], emitted=False)
+    configure(**flags)
+
+
+def configure(**flags: bool) -> None:
+    """Turn on the flags given as true (an option after the command adds to those before it)."""
+    from hpckpt.cli._errors import set_debug
+
+    if not _state:
+        reset()
+    for key, value in flags.items():
+        if key == "debug":
+            if value:
+                set_debug(True)
+        elif value:
+            _state[key] = True
+
+
+def json_mode() -> bool:
+    return bool(_state.get("json"))
+
+
+def quiet() -> bool:
+    return bool(_state.get("quiet"))
+
+
+def command_name() -> str | None:
+    return _state.get("command")
+
+
+def progress_wanted() -> bool:
+    """Progress is drawn on a terminal only, and not with --quiet or --no-progress."""
+    return not quiet() and not _state.get("no_progress") and sys.stderr.isatty()
+
 
 def emit_json(document: Any) -> None:
-    """Print one JSON document on stdout (stable key order, as documented in the README)."""
+    """Print the run's one JSON document on stdout (key order as documented in the README); the
+    warnings the command line itself printed join the document's."""
+    import json  # here: 3 ms of every start-up otherwise
+
+    if isinstance(document, dict) and "warnings" in document:
+        document["warnings"] = [*document["warnings"],
+                                *(w for w in _state.get("warnings", []) if w not in document["warnings"])]
+    _state["emitted"] = True
     sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+
+
+def emitted() -> bool:
+    """True once this run printed its JSON document (an error then adds none)."""
+    return bool(_state.get("emitted"))
+
+
+def recorded_warnings() -> list[str]:
+    return list(_state.get("warnings", []))
 
 
 def warn(message: str) -> None:
-    """One `warning:` line on stderr (also in --json mode: stdout holds only the document)."""
+    """One `warning:` line on stderr, whatever the flags (also in --json mode: stdout holds only
+    the document, which lists it under `warnings`)."""
+    _state.setdefault("warnings", []).append(message)
     sys.stderr.write(f"warning: {printable(message)}\n")
     sys.stderr.flush()
+
+
+def result_line(text: str) -> None:
+    """A writing command's one-line summary on stdout; --quiet leaves it out (the exit code says)."""
+    if not quiet():
+        print(printable(text))
 
 
 def printable(name: str) -> str:
@@ -34,9 +102,17 @@ def warn_skipped(report) -> None:
         for entry in report.get(key) or []:
             by_reason.setdefault(entry["reason"], []).append(printable(entry["name"]))
         for reason, names in by_reason.items():
-            warn(f"{what} ({reason}): {', '.join(names)}")
-    for note in report.get("warnings") or []:  # e.g. a source file that holds pieces of larger tensors
-        warn(f"source: {printable(note)}")
+            _print_warning(f"{what} ({reason}): {', '.join(names)}")
+    # the source reader's notes (a file holding pieces of larger tensors) and the layout's (a
+    # placement that does not fit every tensor it applies to, which says so itself)
+    for note in report.get("warnings") or []:
+        _print_warning(note if note.startswith("layout: ") else f"source: {note}")
+
+
+def _print_warning(message: str) -> None:
+    """A warning the report lists already: printed, not recorded a second time."""
+    sys.stderr.write(f"warning: {printable(message)}\n")
+    sys.stderr.flush()
 
 
 def stdout_console():
@@ -60,13 +136,21 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def rate(report) -> str:
+    """A write's copy rate in the CLI's one unit convention (binary: GiB/s)."""
+    return f"{report['gib_per_s'] or 0:.2f} GiB/s"
+
+
 def write_table(title: str, columns: list[tuple[str, str]], rows: list[tuple[str, ...]]) -> None:
     """Print an aligned text table on stdout.
 
     rich's Table measures every cell and takes about 0.6 ms a row, i.e. seconds for the 10,000
     tensors of a large checkpoint; plain padding prints that table in milliseconds. `columns`
-    are (header, "left" | "right").
+    are (header, "left" | "right"). Every cell and the title are escaped (`printable`): they
+    quote names from the checkpoint.
     """
+    title = printable(title)
+    rows = [tuple(printable(cell) for cell in row) for row in rows]
     widths = [len(header) for header, _ in columns]
     for row in rows:
         for i, cell in enumerate(row):
@@ -87,17 +171,63 @@ def write_table(title: str, columns: list[tuple[str, str]], rows: list[tuple[str
     sys.stdout.write("\n".join(out) + "\n")
 
 
-class TerminalProgress:
-    """rich progress (bytes, rate, ETA) on stderr, only when enabled and stderr is a terminal.
+class _ByteTask:
+    """Columns shown only on the byte bar, blank on a phase's spinner line."""
 
-    Use as a context manager around the work; the command calls `start(total)` and `advance(n)`.
+    def render(self, task):
+        from rich.text import Text
+
+        return Text("") if task.fields.get("phase") else super().render(task)  # type: ignore[misc]
+
+
+def _columns():
+    """Spinner, text, then bar, bytes and rate in binary units (rich's own rate is decimal)."""
+    from rich.progress import (BarColumn, DownloadColumn, ProgressColumn, SpinnerColumn, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.text import Text
+
+    class Bar(_ByteTask, BarColumn):
+        pass
+
+    class Bytes(_ByteTask, DownloadColumn):
+        pass
+
+    class Rate(ProgressColumn):
+        def render(self, task):
+            speed = task.finished_speed or task.speed
+            if task.fields.get("phase") or speed is None:
+                return Text("")
+            return Text(f"{human_bytes(int(speed))}/s", style="progress.data.speed")
+
+    class Timing(ProgressColumn):
+        """A phase shows how long it has taken, the byte bar how long it has left."""
+
+        def __init__(self):
+            super().__init__()
+            self.elapsed, self.remaining = TimeElapsedColumn(), TimeRemainingColumn()
+
+        def render(self, task):
+            return (self.elapsed if task.fields.get("phase") else self.remaining).render(task)
+
+    return (SpinnerColumn(finished_text="[green]done[/green]"), TextColumn("[progress.description]{task.description}"),
+            Bar(), Bytes(binary_units=True), Rate(), Timing())
+
+
+class TerminalProgress:
+    """Progress on stderr: a spinner line per phase before the copy ("reading metadata of SRC",
+    "planning"), each with its elapsed time, then the byte bar. Only on a terminal, and never
+    with --quiet or --no-progress (--json keeps it: the document goes to stdout).
+
+    Use as a context manager around the work; call `phase(text)`, then `start(total)` and
+    `advance(n)` (the `core.write.Progress` protocol the writers report to).
     """
 
     def __init__(self, description: str, enabled: bool = True):
         self.description = description
-        self.enabled = enabled
+        self.enabled = enabled and progress_wanted()
         self._progress = None
         self._task = None
+        self._phase = None
 
     def __enter__(self) -> "TerminalProgress":
         return self
@@ -105,25 +235,42 @@ class TerminalProgress:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def start(self, total: int) -> None:
-        if not self.enabled or not sys.stderr.isatty():
-            return
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TimeRemainingColumn,
-                                   TransferSpeedColumn)
+    def _started(self):
+        if self._progress is None and self.enabled:
+            from rich.progress import Progress
 
-        self._progress = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                                  TransferSpeedColumn(), TimeRemainingColumn(), console=stderr_console(),
-                                  transient=True)
-        self._progress.start()
+            self._progress = Progress(*_columns(), console=stderr_console(), transient=True)
+            self._progress.start()
+        return self._progress
+
+    def _end_phase(self) -> None:
+        if self._phase is not None:
+            task, text = self._phase
+            self._progress.update(task, total=1, completed=1, description=text)
+            self._phase = None
+
+    def phase(self, text: str) -> None:
+        """A step whose length is unknown (metadata, planning): a spinner until the next step."""
+        if self._started() is None:
+            return
+        self._end_phase()
+        text = printable(text)
+        self._phase = self._progress.add_task(text + "…", total=None, phase=True), text
+
+    def start(self, total: int) -> None:
+        if self._started() is None:
+            return
+        self._end_phase()
         self._task = self._progress.add_task(self.description, total=total)
 
     def advance(self, n: int) -> None:
-        if self._progress is not None:
+        if self._task is not None:
             self._progress.advance(self._task, n)
 
     def stop(self) -> None:
         if self._progress is not None:
             self._progress.stop()
+            self._progress = None
 
 
 def parse_ranks(values: list[str] | None) -> list[int] | None:

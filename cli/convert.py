@@ -40,53 +40,56 @@ def name_rules(rules_file: Optional[Path], preset: Optional[str], direction: Opt
 
 
 def run(src, out, to, *, layout, framework, dtype, include, exclude, rules, max_shard_size, crc, jobs,
-        max_memory, no_fsync, force, dry_run, json_output, command, index=None, skip_unsupported=False) -> None:
+        max_memory, no_fsync, force, dry_run, command, index=None, skip_unsupported=False, parents=False,
+        progress=None) -> None:
     """Run `api.convert` with the options both convert commands share, and render its report."""
     from hpckpt import api
-    from hpckpt.cli import _targets
-    from hpckpt.cli._output import TerminalProgress, emit_json, human_bytes, warn_skipped
+    from hpckpt.cli import _output, _targets
 
-    with TerminalProgress(command, enabled=not json_output and not dry_run) as progress:
-        try:
-            settings = _targets.settings(jobs, max_memory, no_fsync, force, progress)
-            api.parse_size(max_shard_size)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc)) from None
-        report = api.convert(src, out, to, layout=layout, framework=framework, dtype=dtype,
-                             select=_targets.selection(include, exclude), rules=rules, max_shard_size=max_shard_size,
-                             crc=crc, settings=settings, dry_run=dry_run, command=command, index=index,
-                             skip_unsupported=skip_unsupported)
-    warn_skipped(report)
-    if json_output:
-        emit_json(report.to_json())
+    try:
+        settings = _targets.settings(jobs, max_memory, no_fsync, force, None if dry_run else progress, parents)
+        api.parse_size(max_shard_size)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if index is None:
+        index = _targets.open_source(src, progress)
+    report = api.convert(src, out, to, layout=layout, framework=framework, dtype=dtype,
+                         select=_targets.selection(include, exclude), rules=rules, max_shard_size=max_shard_size,
+                         crc=crc, settings=settings, dry_run=dry_run, command=command, index=index,
+                         skip_unsupported=skip_unsupported)
+    progress.stop()
+    _output.warn_skipped(report)
+    if _output.json_mode():
+        _output.emit_json(report.to_json())
         return
     names = report.get("names")
     if report["dry_run"]:
         for line in (names or {}).get("table", []):
-            print(line)
+            print(_output.printable(line))
         would = report["would_write"]
-        print(f"dry run: {report['source']} ({report['source_format']}) -> {report['destination']} "
-              f"({report['format']}): would write {would['tensors']} tensors ({human_bytes(would['bytes'])}) and "
-              f"{would['values']} values; nothing written")
+        print(_output.printable(f"dry run: {report['source']} ({report['source_format']}) -> {report['destination']} "
+              f"({report['format']}): would write {would['tensors']} tensors ({_output.human_bytes(would['bytes'])}) "
+              f"and {would['values']} values; nothing written"))
         return
-    print(f"{report['destination']} ({report['format']}): {human_bytes(report['bytes_written'])} written in "
-          f"{report['seconds']:.2f} s ({report['gb_per_s'] or 0:.2f} GB/s)")
+    _output.result_line(f"{report['destination']} ({report['format']}): {_output.human_bytes(report['bytes_written'])} "
+                        f"written in {report['seconds']:.2f} s ({_output.rate(report)})")
     if names and names.get("table"):
-        print(names["table"][-1])  # the summary: renamed, unmapped, ambiguous, derived
+        _output.result_line(names["table"][-1])  # the summary: renamed, unmapped, ambiguous, derived
 
 
 @handles_errors
 def convert(
     src: Annotated[Path, typer.Argument(help="Source checkpoint: any format hpckpt reads, .ckpt and torch.save files too.")],
     out: Annotated[Path, typer.Option("--output", "-o", help="Output file (pt, ms, safetensors) or directory (hf, hp, torch-dcp).")],
-    to: Annotated[Optional[str], typer.Option("--to", "-t", help="Any format hpckpt writes: pt, ms, safetensors, hf, hp, torch-dcp (default: from -o's extension).")] = None,
+    to: Annotated[Optional[opt.FormatName], typer.Option(
+        "--to", "-t", help="Any format hpckpt writes (default: from -o's extension).")] = None,
     world_size: Annotated[Optional[int], typer.Option("--world-size", "-w", min=1, help=_LAYOUT_HELP)] = None,
     split: opt.Split = "balanced",
     mesh: Annotated[Optional[str], typer.Option("--mesh", help="Target device mesh, e.g. 2x4 (hp, torch-dcp).")] = None,
     placements: opt.Placements = None,
     layout_rules: opt.LayoutRules = None,
     layout_files: opt.LayoutFiles = None,
-    framework: Annotated[Optional[str], typer.Option("--framework", help="dtype strings and file flavour as torch or mindspore writes them (hp default: the source's).")] = None,
+    framework: Annotated[Optional[opt.FrameworkName], typer.Option("--framework", help="dtype strings and file flavour as torch or mindspore writes them (hp default: the source's).")] = None,
     names: Annotated[Optional[str], typer.Option("--names", help="Rename entries: a preset (ms-to-torch, torch-to-ms, torch-to-ms-adamw) or a TOML rules file.")] = None,
     dtype: opt.DType = None,
     include: opt.RenamedInclude = None,
@@ -97,33 +100,41 @@ def convert(
     max_memory: opt.MaxMemory = "64MiB",
     no_fsync: opt.NoFsync = False,
     force: opt.Force = False,
+    parents: opt.Parents = False,
     skip_unsupported: opt.SkipUnsupported = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be written (and the name table); write nothing.")] = False,
     json_output: opt.Json = False,
+    quiet: opt.Quiet = False,
+    no_progress: opt.NoProgress = False,
+    debug: opt.Debug = False,
 ) -> None:
     """Convert a checkpoint to another format: pt, ms, safetensors, hf, hp or torch-dcp."""
-    from hpckpt.api.convert import target_format
-    from hpckpt.cli import _targets
+    from hpckpt.cli import _output, _targets
 
     try:
-        fmt = target_format(to, out)
+        fmt = _targets.output_format(to, out, "--to")
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--to") from None
-    _targets.check_framework(framework)
-    layout = None
-    if world_size is not None or mesh is not None or layout_files or layout_rules is not None:
-        try:
-            layout = _targets.layout_spec(src, world_size, split, mesh, placements, layout_rules, layout_files)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc)) from None
+    layouts_given = world_size is not None or mesh is not None or layout_files or layout_rules is not None
+    if layouts_given:
+        _targets.check_layout_options(world_size, mesh, placements, layout_rules, layout_files)
     elif placements:
         raise typer.BadParameter("--placements goes with --mesh")
-    if layout is not None and fmt.whole_tensors:
+    if layouts_given and fmt.whole_tensors:
         raise typer.BadParameter(f"layout options apply to hp and torch-dcp targets, not {fmt.name}")
     rules = None
     if names is not None:
         is_file = names.endswith(".toml") or Path(names).is_file()
         rules = name_rules(Path(names), None, None) if is_file else name_rules(None, names, None)
-    run(src, out, fmt.name, layout=layout, framework=framework, dtype=dtype, include=include, exclude=exclude,
-        rules=rules, max_shard_size=max_shard_size, crc=crc, jobs=jobs, max_memory=max_memory, no_fsync=no_fsync,
-        force=force, dry_run=dry_run, json_output=json_output, command="convert", skip_unsupported=skip_unsupported)
+    with _output.TerminalProgress("convert") as progress:
+        index = _targets.open_source(src, progress)
+        layout = None
+        if layouts_given:
+            try:
+                layout = _targets.layout_spec(index, world_size, split, mesh, placements, layout_rules, layout_files)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc)) from None
+        run(src, out, fmt.name, layout=layout, framework=framework, dtype=dtype, include=include, exclude=exclude,
+            rules=rules, max_shard_size=max_shard_size, crc=crc, jobs=jobs, max_memory=max_memory, no_fsync=no_fsync,
+            force=force, dry_run=dry_run, command="convert", skip_unsupported=skip_unsupported, parents=parents,
+            index=index, progress=progress)

@@ -24,8 +24,8 @@ EXAMPLES = """Examples:
 def convert_ms_torch(
     src: Annotated[Path, typer.Argument(help="A MindSpore or PyTorch checkpoint (.ckpt, .pt, safetensors, DCP).")],
     out: Annotated[Path, typer.Option("--output", "-o", help="Output file or directory; a file's extension picks the container.")],
-    to: Annotated[Optional[str], typer.Option("--to", help="torch or mindspore (default: the other side of the source).")] = None,
-    to_format: Annotated[Optional[str], typer.Option("--to-format", help="Container: pt, ms, safetensors, hf, hp, torch-dcp (default: the source's kind).")] = None,
+    to: Annotated[Optional[opt.FrameworkName], typer.Option("--to", help="The framework to convert to (default: the other side of the source).")] = None,
+    to_format: Annotated[Optional[opt.FormatName], typer.Option("--to-format", help="Container (default: the source's kind, or -o's extension).")] = None,
     name_rules: Annotated[Optional[Path], typer.Option("--name-rules", help="TOML rules (docs/name-rules.md); the preset applies after them.")] = None,
     no_preset: Annotated[bool, typer.Option("--no-preset", help="Keep names as they are (only --name-rules rename).")] = False,
     # (the options both convert commands take are declared once, in cli/_options.py; typer reads
@@ -37,27 +37,27 @@ def convert_ms_torch(
     max_memory: opt.MaxMemory = "64MiB",
     no_fsync: opt.NoFsync = False,
     force: opt.Force = False,
+    parents: opt.Parents = False,
     skip_unsupported: opt.SkipUnsupported = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the source -> destination name table; write nothing.")] = False,
     json_output: opt.Json = False,
+    quiet: opt.Quiet = False,
+    no_progress: opt.NoProgress = False,
+    debug: opt.Debug = False,
 ) -> None:
     """Convert between MindSpore and PyTorch: names, dtype strings and container."""
     from hpckpt import api
-    from hpckpt.cli import _targets
+    from hpckpt.cli import _output, _targets
     from hpckpt.cli.convert import name_rules as rules_from, run
-    from hpckpt.converters import format_named, open_index
 
-    _targets.check_framework(to, "--to")
     if to_format is not None:
-        try:
-            format_named(to_format)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--to-format") from None
-    index = open_index(src)  # once: the plan and the conversion share it
-    target = api.ms_torch_target(src, out, to=to, to_format=to_format, index=index)
-    direction = "ms-to-torch" if target["to"] == "torch" else "torch-to-ms"
-    rules = rules_from(name_rules, "none" if no_preset else None, direction)
-    run(src, out, target["format"], layout=None, framework=target["to"], dtype=dtype, include=include, exclude=exclude,
-        rules=rules, max_shard_size="5GB", crc=crc, jobs=None, max_memory=max_memory, no_fsync=no_fsync,
-        force=force, dry_run=dry_run, json_output=json_output, command="convert-ms-torch", index=index,
-        skip_unsupported=skip_unsupported)
+        _targets.output_format(to_format, out, "--to-format")  # refuses one the extension contradicts
+    with _output.TerminalProgress("convert-ms-torch") as progress:
+        index = _targets.open_source(src, progress)  # once: the plan and the conversion share it
+        target = api.ms_torch_target(src, out, to=to, to_format=to_format, index=index)
+        direction = "ms-to-torch" if target["to"] == "torch" else "torch-to-ms"
+        rules = rules_from(name_rules, "none" if no_preset else None, direction)
+        run(src, out, target["format"], layout=None, framework=target["to"], dtype=dtype, include=include,
+            exclude=exclude, rules=rules, max_shard_size="5GB", crc=crc, jobs=None, max_memory=max_memory,
+            no_fsync=no_fsync, force=force, dry_run=dry_run, command="convert-ms-torch", index=index,
+            skip_unsupported=skip_unsupported, parents=parents, progress=progress)

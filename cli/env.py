@@ -8,6 +8,7 @@ import sys
 import typer
 
 from hpckpt import __version__
+from hpckpt.cli import _options as opt
 from hpckpt.cli._errors import handles_errors
 
 _PACKAGES = ("numpy", "safetensors", "typer", "rich", "torch", "mindspore")
@@ -34,13 +35,20 @@ def environment() -> dict[str, str]:
 
 
 @handles_errors
-def env(json_output: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
+def env(
+    json_output: opt.Json = False,
+    quiet: opt.Quiet = False,
+    no_progress: opt.NoProgress = False,
+    debug: opt.Debug = False,
+) -> None:
     """Print versions of hpckpt, Python, its dependencies and the platform, for bug reports."""
-    info = environment()
-    if json_output:
-        from hpckpt.cli._output import emit_json
+    from hpckpt.cli import _output
 
-        emit_json(info)
+    info = environment()
+    if _output.json_mode():
+        from hpckpt.api.reports import envelope
+
+        _output.emit_json({**envelope("env"), **info})
         return
     width = max(map(len, info))
     for key, value in info.items():

@@ -7,6 +7,7 @@ from typing import List, Optional
 
 import typer
 
+from hpckpt.cli import _options as opt
 from hpckpt.cli._errors import handles_errors
 
 EXAMPLES = """Examples:
@@ -25,18 +26,22 @@ def inspect(
     exclude: Optional[List[str]] = typer.Option(None, "--exclude", "-x", metavar="GLOB", help="Leave out entries whose name matches (repeatable)."),
     shards: Optional[List[str]] = typer.Option(None, "--shards", "-s", metavar="GLOB", help="Show the chunk boxes of matching tensors per rank and file."),
     no_values: bool = typer.Option(False, "--no-values", help="Do not read and decode non-tensor values."),
-    json_output: bool = typer.Option(False, "--json", help="Print one JSON document instead of tables."),
+    json_output: opt.Json = False,
+    quiet: opt.Quiet = False,
+    no_progress: opt.NoProgress = False,
+    debug: opt.Debug = False,
 ) -> None:
     """Show the format, world size, files, tensors (dtype, shape, chunks) and values of a checkpoint."""
     from hpckpt import api
+    from hpckpt.cli import _output
 
-    document = api.inspect(path, api.Selection.of(include, exclude), shards or (), decode_values=not no_values).to_json()
-    if json_output:
-        from hpckpt.cli._output import emit_json
-
-        emit_json(document)
+    with _output.TerminalProgress("inspect") as progress:
+        progress.phase(f"reading metadata of {path}")
+        report = api.inspect(path, api.Selection.of(include, exclude), shards or (), decode_values=not no_values)
+    if _output.json_mode():
+        _output.emit_json(report.to_json())
     else:
-        render(document)
+        render(report.to_json())
 
 
 def render(doc: dict) -> None:
@@ -52,9 +57,9 @@ def render(doc: dict) -> None:
     n_meta = sum(1 for f in doc["files"] if f["path"].endswith(("metadata", ".json")))
     summary = Table.grid(padding=(0, 2))
     summary.add_column(style="bold")
-    summary.add_row("Checkpoint", doc["path"])
+    summary.add_row("Checkpoint", Text(printable(doc["path"])))
     summary.add_row("Format", f"{doc['format']} {doc['format_version']}{framework}")
-    summary.add_row("World size", f"{world} (from file names; ranks without data write no file)" if world else "-")
+    summary.add_row("World size", _world_size(world, doc.get("world_size_exact", False)))
     summary.add_row("Files", f"{len(doc['files'])} ({n_meta} metadata, {len(doc['files']) - n_meta} data), {human_bytes(doc['total_bytes'])}")
     summary.add_row("Tensors", f"{counts['tensors']} in {counts['chunks']} chunks, {human_bytes(counts['tensor_bytes'])}")
     summary.add_row("Values", str(counts["values"]))
@@ -84,6 +89,15 @@ def render(doc: dict) -> None:
             [(str(i), _shape(c["offsets"]), _shape(c["sizes"]), "-" if c["rank"] is None else str(c["rank"]), c["file"], c["key"])
              for i, c in enumerate(shard["chunks"])],
         )
+
+
+def _world_size(world: int | None, exact: bool) -> str:
+    """Exact when hpckpt's writer recorded it; else a lower bound: a rank without data writes no file."""
+    if not world:
+        return "-"
+    if exact:
+        return f"{world} (recorded by the writer)"
+    return f"at least {world} (from file names; ranks without data write no file)"
 
 
 def _shape(shape: list[int]) -> str:

@@ -41,20 +41,22 @@ def reshard(
     include: opt.Include = None,
     exclude: opt.Exclude = None,
     dtype: opt.DType = None,
-    framework: Annotated[Optional[str], typer.Option(
-        "--framework", help="dtype strings as torch or mindspore writes them (default: the source's).")] = None,
+    framework: opt.Framework = None,
     jobs: opt.Jobs = None,
     max_memory: opt.MaxMemory = "64MiB",
     no_fsync: opt.NoFsync = False,
     force: opt.Force = False,
+    parents: opt.Parents = False,
     dry_run: Annotated[bool, typer.Option(
         "--plan", "--dry-run", help="Print what each target rank reads and writes; copy nothing.")] = False,
     json_output: opt.Json = False,
+    quiet: opt.Quiet = False,
+    no_progress: opt.NoProgress = False,
+    debug: opt.Debug = False,
 ) -> None:
     """Reshard a checkpoint to a new world size or layout (output: HyperParallel DCP)."""
     from hpckpt import api
-    from hpckpt.cli import _targets
-    from hpckpt.cli._output import TerminalProgress, emit_json, parse_ranks
+    from hpckpt.cli import _output, _targets
 
     if finalize:
         if src is None:
@@ -63,27 +65,33 @@ def reshard(
     else:
         if src is None or out is None:
             raise typer.BadParameter("give SRC and -o DST")
-        _targets.check_framework(framework)
-        with TerminalProgress("reshard", enabled=not json_output) as progress:
+        with _output.TerminalProgress("reshard") as progress:
             try:
-                spec = _targets.layout_spec(src, world_size, split, mesh, placements, rules, layout_files, keep_layout)
-                ranks = parse_ranks(rank)
-                settings = _targets.settings(jobs, max_memory, no_fsync, force, progress)
+                ranks = _output.parse_ranks(rank)
+                settings = _targets.settings(jobs, max_memory, no_fsync, force, progress, parents)
+                _targets.check_layout_options(world_size, mesh, placements, rules, layout_files, keep_layout)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc)) from None
+            index = _targets.open_source(src, progress)
+            try:
+                spec = _targets.layout_spec(index, world_size, split, mesh, placements, rules, layout_files,
+                                            keep_layout)
             except ValueError as exc:
                 raise typer.BadParameter(str(exc)) from None
             report = api.reshard(src, out, spec, select=_targets.selection(include, exclude), ranks=ranks,
-                                 framework=framework, dtype=dtype, settings=settings, dry_run=dry_run)
-    if json_output:
-        emit_json(report.to_json())
+                                 framework=framework, dtype=dtype, settings=settings, dry_run=dry_run, index=index)
+    _output.warn_skipped(report)
+    if _output.json_mode():
+        _output.emit_json(report.to_json())
     else:
         render(report)
 
 
 def render(report) -> None:
-    from hpckpt.cli._output import human_bytes, write_table
+    from hpckpt.cli._output import human_bytes, rate, result_line, write_table
 
     if "plan" not in report:
-        print(f"Finalized {report['destination']}: {report['files']} files, metadata written")
+        result_line(f"Finalized {report['destination']}: {report['files']} files, metadata written")
         return
     plan = report["plan"]
     if report["dry_run"]:
@@ -96,9 +104,9 @@ def render(report) -> None:
         amplification = plan["bytes_read"] / plan["bytes"] if plan["bytes"] else 0
         print(f"\nTotal: writes {human_bytes(plan['bytes'])} in {plan['files']} files, reads "
               f"{human_bytes(plan['bytes_read'])} (read amplification {amplification:.2f}); "
-              f"at 1 GB/s about {plan['bytes'] / 1e9:.1f} s")
+              f"at 1 GiB/s about {plan['bytes'] / 2**30:.1f} s")
         return
     state = "written" if report["finalized"] else "written (fan-out share; run `hpckpt reshard --finalize` when all are done)"
-    print(f"{report['destination']}: {plan['world_size']} ranks, {plan['files']} files, "
-          f"{human_bytes(report['bytes_written'])} {state} in {report['seconds']:.2f} s "
-          f"({report['gb_per_s'] or 0:.2f} GB/s)")
+    result_line(f"{report['destination']}: {plan['world_size']} ranks, {plan['files']} files, "
+                f"{human_bytes(report['bytes_written'])} {state} in {report['seconds']:.2f} s "
+                f"({rate(report)})")

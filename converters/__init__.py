@@ -20,7 +20,7 @@ from hpckpt.converters.safetensors_file import SafetensorsFileReader, Safetensor
 from hpckpt.converters.torch_dcp import TorchDcpReader, TorchDcpWriter
 from hpckpt.converters.torch_dcp.metadata_files import rank_local_files
 from hpckpt.converters.torch_save_file import TorchSaveFileWriter, TorchSaveReader
-from hpckpt.core.commit import staging_directory
+from hpckpt.core.commit import leftover
 from hpckpt.core.errors import (
     CorruptMetadataError,
     NotACheckpointError,
@@ -93,10 +93,9 @@ def detect(path: Path) -> Format:
     """
     if not path.exists():
         raise PathNotFoundError(f"{path}: no such file or directory")
-    staging = staging_directory(path.absolute())
-    if staging is not None:
-        raise NotACheckpointError(f"{staging}: the staging directory of an hpckpt run that did not finish",
-                                  hint="the next run with the same destination removes it")
+    left = leftover(path)  # a staging directory, a lock file, a sidecar without its file
+    if left is not None:
+        raise NotACheckpointError(left)
     for fmt in FORMATS:
         if fmt.reader is not None and fmt.reader.sniff(path):
             return fmt

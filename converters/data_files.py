@@ -13,7 +13,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from hpckpt.core import checksums, safetensors_io
+from hpckpt.core import checksums, input_files, safetensors_io
 from hpckpt.core.errors import (
     CorruptDataError,
     CorruptMetadataError,
@@ -55,9 +55,9 @@ class DataFileLocator:
 
     def _build_table(self, relative: str) -> dict[str, Location]:
         path = self.path(relative)
-        if not path.is_file():
+        if not path.exists():
             raise MissingFileError(f"{relative}: data file is missing from {self.root}")
-        with open(path, "rb") as f:
+        with open_data_file(path) as f:  # refuses a FIFO, device or directory unopened
             magic = f.read(4)
         if magic == ZIP_MAGIC:
             return _torch_archive_table(path)
@@ -93,7 +93,7 @@ class DataFileLocator:
         path = self.path(relative)
         if not relative.endswith(".safetensors"):
             return []  # `.bytes` files have no structure of their own; values are checked one by one
-        with open(path, "rb") as f:
+        with open_data_file(path) as f:
             if f.read(4) == ZIP_MAGIC:
                 self.tensor_table(relative)  # raises CorruptDataError for a broken archive
                 return []
@@ -124,10 +124,9 @@ class DataFileLocator:
 
     def value_bytes(self, entry: ValueEntry) -> bytes:
         path = self.path(entry.file)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise MissingFileError(f"{entry.file}: data file is missing (holds value {entry.fqn})") from None
+        if not path.exists():
+            raise MissingFileError(f"{entry.file}: data file is missing (holds value {entry.fqn})")
+        fd = input_files.open_fd(path)
         try:
             size = os.fstat(fd).st_size
             length = size - entry.offset if entry.length < 0 else entry.length

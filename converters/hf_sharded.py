@@ -12,6 +12,7 @@ named `model-0000i-of-0000n.safetensors`; then the index and the values' `values
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from hpckpt.converters.base import WriterOptions
 from hpckpt.converters.safetensors_pieces import PER_RANK_FILE
 from hpckpt.converters import values_sidecar
 from hpckpt.converters.safetensors_file import flavour, index_safetensors_files, safetensors_file, whole_tensors
+from hpckpt.core import input_files
 from hpckpt.core.errors import CorruptMetadataError
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.output import Finished, OutputLayout
@@ -30,7 +32,7 @@ SIDECAR_NAME = "values.json"  # hpckpt's values beside the shards (converters.va
 
 
 def _index_path(path: Path) -> Path | None:
-    if path.is_dir() and (path / INDEX_NAME).is_file():
+    if path.is_dir() and os.path.lexists(path / INDEX_NAME):  # a FIFO or directory: refused when read
         return path / INDEX_NAME
     if path.is_file() and path.name.endswith(".safetensors.index.json"):
         return path
@@ -91,11 +93,13 @@ def read_weight_map(index_file: Path, what: str) -> tuple[dict, list[str]]:
     Raises:
         CorruptMetadataError: not JSON, no `weight_map`, or a value that is not a file name.
     """
+    data = input_files.read_small(index_file, what, input_files.MAX_INDEX_BYTES)
+    document = input_files.load_json(data, f"{index_file}: {what}")
     try:
-        weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
+        weight_map = document["weight_map"]
         files = sorted(set(weight_map.values()))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-        raise CorruptMetadataError(f"{index_file}: not a valid {what} ({exc})") from None
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise CorruptMetadataError(f"{index_file}: not a valid {what} ({type(exc).__name__}: {exc})") from None
     if not all(isinstance(f, str) for f in files):
         raise CorruptMetadataError(f"{index_file}: weight_map values must be file names")
     return weight_map, files

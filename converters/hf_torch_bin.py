@@ -16,7 +16,7 @@ from typing import Any
 
 from hpckpt.converters.hf_sharded import read_weight_map
 from hpckpt.converters.torch_save_file import TorchSaveLocator, TorchSaveReader, flatten_record
-from hpckpt.core import torch_zip
+from hpckpt.core import input_files, torch_zip
 from hpckpt.core.box import full_box
 from hpckpt.core.errors import CorruptMetadataError, MissingFileError, UnknownFormatError
 from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry
@@ -71,8 +71,9 @@ class HfTorchBinReader:
         value_files: dict[str, str] = {}
         for name in files:
             shard = resolve_inside(root, name)
-            if not shard.is_file():
+            if not shard.exists():
                 raise MissingFileError(f"{name}: shard named by the index is missing from {root}")
+            input_files.check_regular(shard, "pytorch_model.bin shard")  # a FIFO or directory: exit 8
             if not TorchSaveReader().sniff(shard):
                 raise CorruptMetadataError(f"{shard}: not a torch.save file (a pytorch_model.bin shard must be one)")
             TorchSaveReader.refuse_legacy(shard, "a pytorch_model.bin shard")

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Callable
 
 from hpckpt import __version__
-from hpckpt.core import dtypes
+from hpckpt.core import dtypes, input_files
+from hpckpt.core.errors import HpckptError
 from hpckpt.core.index import CheckpointIndex, Chunk, Locator, TensorEntry, ValueEntry
 
 MIN_METADATA_BYTES = 4 * 1024 * 1024
@@ -63,11 +64,11 @@ def load(root: Path, metadata_files: list[str], locator: Locator,
         path = _cache_file(root, metadata_files)
         if path is None or not path.is_file():
             return None
-        raw = path.read_bytes()
+        raw = input_files.read_small(path, "index snapshot", input_files.metadata_limit())
         if not raw.startswith(_MAGIC):
             return None
-        return _decode(json.loads(raw[len(_MAGIC):]), root, locator, parse)
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return _decode(input_files.load_json(raw[len(_MAGIC):], str(path)), root, locator, parse)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, HpckptError):
         return None  # a cache is never a reason to fail
 
 

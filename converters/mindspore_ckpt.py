@@ -24,8 +24,9 @@ from hpckpt.core import dtypes
 from hpckpt.core import mindspore_ckpt as ckpt
 from hpckpt.core.output import Extent, FileLayout, Finished, OutputLayout, Placement
 from hpckpt.core.plan import Plan
-from hpckpt.core import safetensors_io
-from hpckpt.core.errors import CorruptDataError, EntryMismatchError, NotACheckpointError, UnknownFormatError
+from hpckpt.core import input_files, safetensors_io
+from hpckpt.core.errors import (CorruptDataError, EntryMismatchError, HpckptError, NotACheckpointError,
+                                 UnknownFormatError)
 from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry, parse_range_key
 
 SNIFF_BYTES = 4096
@@ -81,9 +82,9 @@ class MindSporeCkptLocator:
 
 def _head(path: Path) -> tuple[bytes, int]:
     try:
-        with open(path, "rb") as f:
+        with input_files.open_file(path) as f:
             return f.read(SNIFF_BYTES), os.fstat(f.fileno()).st_size
-    except OSError:
+    except (OSError, HpckptError):
         return b"", -1
 
 

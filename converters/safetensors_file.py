@@ -8,6 +8,7 @@ the source's own `__metadata__` keys carried (`converters.safetensors_pieces`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,10 +16,10 @@ from typing import Any
 from hpckpt.converters import values_sidecar
 from hpckpt.converters.base import WriterOptions
 from hpckpt.converters.data_files import ZIP_MAGIC, DataFileLocator
-from hpckpt.core import safetensors_io
+from hpckpt.core import input_files, safetensors_io
 from hpckpt.converters.safetensors_pieces import HP_RANK_FILE, carried_metadata, saved_offsets, single_file_notes
 from hpckpt.core.box import Box, full_box
-from hpckpt.core.errors import CorruptMetadataError
+from hpckpt.core.errors import CorruptMetadataError, HpckptError
 from hpckpt.core.index import CheckpointIndex, Chunk, TensorEntry
 from hpckpt.core.output import Extent, FileLayout, Finished, OutputLayout, Placement
 from hpckpt.core.plan import Plan, PlannedBox, PlannedTensor
@@ -71,7 +72,7 @@ def index_safetensors_files(root: Path, files: list[str], fmt: str, *, assemble:
         format_version="1",
         framework=frameworks.pop() if len(frameworks) == 1 else None,
         tensors=dict(sorted(tensors.items())),
-        values=values_sidecar.value_entries(root, sidecar) if sidecar and (root / sidecar).is_file() else {},
+        values=values_sidecar.value_entries(root, sidecar) if sidecar and os.path.lexists(root / sidecar) else {},
         data_files=sorted(files),
         locator=locator,
         notes=notes,
@@ -111,8 +112,10 @@ def _single_file(path: Path) -> Path | None:
 
 def _is_zip(path: Path) -> bool:
     try:
-        with open(path, "rb") as f:
+        with input_files.open_file(path) as f:
             return f.read(4) == ZIP_MAGIC
+    except HpckptError:
+        return not os.path.lexists(path)  # a FIFO or a directory is ours, to say what it is
     except OSError:
         return True  # unreadable: not ours to claim
 

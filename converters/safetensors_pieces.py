@@ -13,10 +13,10 @@ Hugging Face outputs; the keys that describe the source file's own storage are n
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable
 
+from hpckpt.core import input_files
 from hpckpt.core.errors import CorruptMetadataError
 from hpckpt.core.safetensors_io import SafetensorsHeader
 
@@ -40,10 +40,7 @@ def saved_offsets(header: SafetensorsHeader) -> dict[str, tuple[int, ...]] | Non
     if raw is None:
         return None
     where = f"{header.path}: __metadata__ {SHARDING_KEY}"
-    try:
-        doc = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise CorruptMetadataError(f"{where} is not valid JSON ({exc})") from None
+    doc = input_files.load_json(raw, where)
     if not isinstance(doc, dict):
         raise CorruptMetadataError(f"{where} is not a JSON object")
     out = {}

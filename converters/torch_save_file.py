@@ -23,9 +23,9 @@ from hpckpt.core.output import Extent, FileLayout, Finished, OutputLayout, Place
 from hpckpt.core.plan import Plan
 from hpckpt.core.torch_archive import TorchArchive, archive_name_for
 
-from hpckpt.core import torch_zip
+from hpckpt.core import input_files, torch_zip
 from hpckpt.core.box import full_box
-from hpckpt.core.errors import CorruptDataError, UnknownFormatError
+from hpckpt.core.errors import CorruptDataError, HpckptError, UnknownFormatError
 from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry
 from hpckpt.core.nesting import flatten_nested, holds_tensor
 from hpckpt.core.paths import resolve_inside
@@ -98,7 +98,7 @@ def flatten_record(path: Path, tree: Any) -> tuple[dict[str, torch_zip.TensorRec
 
 
 def _first_member_name(path: Path) -> bytes:
-    with open(path, "rb") as f:
+    with input_files.open_file(path, "torch.save file") as f:
         head = f.read(30 + 256)
     if len(head) < 30 or head[:4] != torch_zip.ZIP_MAGIC:
         return b""
@@ -115,15 +115,15 @@ class TorchSaveReader:
         try:
             if _first_member_name(path).endswith(b"data.pkl"):
                 return True
-            with open(path, "rb") as f:
+            with input_files.open_file(path, "torch.save file") as f:
                 return f.read(len(_LEGACY_MAGIC)) == _LEGACY_MAGIC
-        except OSError:
+        except (OSError, HpckptError):
             return False
 
     @staticmethod
     def refuse_legacy(path: Path, what: str = "a torch.save file") -> None:
         """Raises UnknownFormatError for the pre-1.6 (non-zip) format, which has no index to read."""
-        with open(path, "rb") as f:
+        with input_files.open_file(path, "torch.save file") as f:
             if f.read(len(_LEGACY_MAGIC)) == _LEGACY_MAGIC:
                 raise UnknownFormatError(
                     f"{path}: {what} in torch's legacy (pre-1.6, non-zip) format",

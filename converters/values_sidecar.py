@@ -11,18 +11,21 @@ writer as `converted`, never passed off as the same value.
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import math
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hpckpt.core import input_files
 from hpckpt.core.errors import CorruptMetadataError
 from hpckpt.core.index import ValueEntry
 from hpckpt.core.json_values import values_document
 
 #: A sidecar larger than this is not ours (values are small): refused rather than parsed.
-MAX_SIDECAR_BYTES = 64 << 20
+MAX_SIDECAR_BYTES = input_files.MAX_SIDECAR_BYTES
 
 
 def _document(values: Mapping[str, Any]) -> dict:
@@ -78,7 +81,10 @@ def decode_one(item: Any) -> Any:
     if kind == "tuple" and isinstance(value, list):
         return tuple(value)
     if kind in ("bytes", "bytearray") and isinstance(value, dict) and isinstance(value.get("base64"), str):
-        return base64.b64decode(value["base64"])
+        try:
+            return base64.b64decode(value["base64"], validate=True)
+        except (ValueError, binascii.Error):
+            raise CorruptMetadataError("sidecar entry's base64 is malformed") from None
     if kind == "float" and isinstance(value, dict) and value.get("float") in ("nan", "inf", "-inf"):
         return float(value["float"])
     return value
@@ -90,16 +96,10 @@ def read(path: Path) -> dict:
     Raises:
         CorruptMetadataError: not a JSON object of entries, or implausibly large.
     """
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return {}
-    if size > MAX_SIDECAR_BYTES:
-        raise CorruptMetadataError(f"{path}: {size} bytes, too large for a values sidecar")
-    try:
-        document = json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CorruptMetadataError(f"{path}: not a JSON values sidecar ({exc})") from None
+    document = input_files.load_json(input_files.read_small(path, "values sidecar", MAX_SIDECAR_BYTES),
+                                     f"{path}: values sidecar", max_depth=input_files.MAX_SIDECAR_DEPTH)
     if not isinstance(document, dict) or not all(isinstance(v, dict) for v in document.values()):
         raise CorruptMetadataError(f"{path}: not a JSON object of {{\"type\", \"value\"}} entries")
     return document
@@ -111,5 +111,20 @@ def value_entries(root: Path, name: str) -> dict[str, ValueEntry]:
     return {fqn: ValueEntry(fqn, name, 0, path.stat().st_size, encoding="json") for fqn in read(path)}
 
 
+SIDECAR_SUFFIX = ".values.json"
+
+
 def sidecar_name(safetensors_name: str) -> str:
-    return safetensors_name.removesuffix(".safetensors") + ".values.json"
+    return safetensors_name.removesuffix(".safetensors") + SIDECAR_SUFFIX
+
+
+def sidecars_of(file_name: str) -> tuple[str, ...]:
+    """The sidecars hpckpt may have written beside the single-file output `file_name`: replacing
+    the file (`--force`) replaces them too, so that no old sidecar is read with a new file."""
+    return (sidecar_name(file_name),) if file_name.endswith(".safetensors") else ()
+
+
+def owner_of(name: str) -> str | None:
+    """The safetensors file a sidecar named `name` belongs to; None for any other name."""
+    stem = name.removesuffix(SIDECAR_SUFFIX)
+    return f"{stem}.safetensors" if stem and stem != name else None

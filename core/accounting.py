@@ -47,6 +47,23 @@ def check_plan(plan: Plan, tensors: Iterable[str], values: Iterable[str]) -> Non
         raise AccountingError(f"{len(missing)} entries would be lost (not in the plan): {_names(missing)}")
 
 
+def check_source_chunks(plan: Plan, source: CheckpointIndex) -> None:
+    """Before anything is written (or space is asked for), the stored chunks of every planned
+    tensor are read as boxes and lie inside their tensor: a corrupt shape is reported as what it
+    is, not as the terabytes it would take to write (the engine reuses the arrays).
+
+    Raises:
+        CorruptMetadataError: a chunk's offsets or sizes do not fit the tensor's dims.
+        GeometryError: a chunk lies outside its tensor.
+    """
+    from hpckpt.core.overlap import check_inside
+
+    for tensor in plan.tensors:
+        entry = source.tensors[tensor.fqn]
+        offsets, sizes = entry.chunk_arrays()
+        check_inside(tensor.fqn, tuple(entry.shape), offsets, sizes)
+
+
 def check_layout(plan: Plan, layout: OutputLayout) -> None:
     """Every planned box of a producing rank is placed once, with its size, unless its tensor is skipped."""
     skipped = {fqn for fqn, _ in layout.skipped}

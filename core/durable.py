@@ -1,15 +1,21 @@
 """Getting bytes onto the disk: writeback started early, fsync of files and directories.
 
 Writeback is started per copied range (`sync_file_range`, Linux) so that the final fsync has only
-the tail left to wait for instead of the whole file.
+the tail left to wait for instead of the whole file. What the system refuses while writing (a full
+disk, a quota, permissions, an I/O error) becomes one documented error (`write_error`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 from pathlib import Path
 from typing import Iterable
+
+from hpckpt.core.errors import NoSpaceError, WriteFailedError
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 _SYNC_FILE_RANGE_WRITE = 2
 try:
@@ -51,3 +57,51 @@ def write_file(path: Path, data: bytes, sync: bool = True) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB': the sizes in an error message."""
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} TiB"
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes an unprivileged writer may still use on the file system of `path` (or of its nearest
+    existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def no_space(dest: Path, needed: int, during: bool = False) -> NoSpaceError:
+    late = "; the disk filled up during the write" if during else ""
+    return NoSpaceError(f"no space left on device writing {dest} (needed ~{human_bytes(needed)}, "
+                        f"free {human_bytes(free_bytes(dest.parent))}{late})",
+                        hint="free some space or choose another destination; nothing was left behind")
+
+
+def check_space(dest: Path, needed: int) -> None:
+    """Fail before writing anything when the output cannot fit: the data files alone need `needed`.
+
+    Raises:
+        NoSpaceError: the destination's file system has less free space than that.
+    """
+    if needed > free_bytes(dest.parent):
+        raise no_space(dest, needed)
+
+
+def write_error(exc: OSError, dest: Path, needed: int = 0) -> NoSpaceError | WriteFailedError:
+    """The documented error for an OSError raised while writing `dest` (called once the staging
+    data is removed, so the free space it reports is what is left)."""
+    if exc.errno in NO_SPACE:
+        return no_space(dest, needed, during=True)
+    where = f" ({exc.filename})" if exc.filename else ""
+    return WriteFailedError(f"writing {dest} failed: {exc.strerror or exc}{where}",
+                            hint="nothing was left behind; fix the cause and rerun")

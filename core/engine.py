@@ -8,6 +8,10 @@ buffer); any other is gathered from its pieces with ranged reads (or from memory
 sources) into one buffer, cast if asked, and written with one `pwrite`. CRC-32s a format needs
 are computed by reading each range back on a worker while the next box is copied. Files are
 filled in parallel, one per worker (I/O, numpy and zlib release the GIL).
+
+When the main thread leaves `execute` early (an error of one file, Ctrl-C, SIGTERM), the files
+not started are cancelled and the workers stop at their next copied range (a stop flag), so the
+caller removes the staging directory only once nothing writes into it any more.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
@@ -42,6 +47,15 @@ Progress = Callable[[int], None]
 
 def default_jobs() -> int:
     return max(1, min(8, os.cpu_count() or 1))
+
+
+class _Stopped(Exception):
+    """Raised in a worker that was told to stop: the run it belongs to is failing already."""
+
+
+def _check(stop: threading.Event) -> None:
+    if stop.is_set():
+        raise _Stopped
 
 
 def copy_range(src_fd: int, dst_fd: int, count: int, src_offset: int, dst_offset: int, source: Path) -> None:
@@ -104,9 +118,10 @@ class _BoxFiller:
     """Fills planned boxes of one output file from their source pieces, one tile at a time."""
 
     def __init__(self, index: CheckpointIndex, files: OpenFiles, fd: int, budget: int, progress: Progress,
-                 writeback: bool):
+                 writeback: bool, stop: threading.Event):
         self.index, self.files, self.fd = index, files, fd
         self.budget, self.progress, self.writeback = budget, progress, writeback
+        self.stop = stop
         self._buffer: np.ndarray | None = None
         self._flushed = 0  # writeback has been started for the file's bytes before this offset
 
@@ -115,6 +130,7 @@ class _BoxFiller:
         entry = self.index.tensors[tensor.fqn]
         itemsize = tensor.dtype.itemsize
         for tile_local in contiguous_tiles(box.sizes, itemsize, self.budget):
+            _check(self.stop)
             tile = Box(tuple(o + t for o, t in zip(box.offsets, tile_local.offsets)), tile_local.sizes)
             start = linear(tile_local.offsets, box.sizes) * itemsize
             parts = [(chunk, region.intersect(tile) if tile.ndim else tile) for chunk, region in pieces]
@@ -135,6 +151,7 @@ class _BoxFiller:
         sync` on a request-limited disk, 1.02-1.07x with aligned spans). Spans are only a hint,
         so ranges written out of order stay correct; the rest is started when the file is done.
         """
+        _check(self.stop)
         if self.writeback:
             end = (at + count) // WRITEBACK_SPAN * WRITEBACK_SPAN
             if end > self._flushed:
@@ -215,13 +232,15 @@ def source_pieces(index: CheckpointIndex, placements: list[Placement]) -> dict[i
 
 
 def _fill_file(path: Path, layout: FileLayout, index: CheckpointIndex, pieces: dict[int, Pieces], budget: int,
-               progress: Progress, sync: bool, pool: ThreadPoolExecutor, crcs: list[tuple[str, Future]]) -> None:
+               progress: Progress, sync: bool, pool: ThreadPoolExecutor, crcs: list[tuple[str, Future]],
+               stop: threading.Event) -> None:
+    _check(stop)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.ftruncate(fd, layout.size)
         fixed, done = sorted(layout.fixed, key=lambda f: f[0]), 0
         with OpenFiles() as files:
-            filler = _BoxFiller(index, files, fd, budget, progress, writeback=sync)
+            filler = _BoxFiller(index, files, fd, budget, progress, writeback=sync, stop=stop)
             for placement in layout.boxes:
                 # the fixed bytes before this box first, so that a file is written front to back
                 while done < len(fixed) and fixed[done][0] < placement.extents[0].offset:
@@ -313,15 +332,36 @@ def execute(layout: OutputLayout, index: CheckpointIndex, out_dir: Path, *, jobs
     budget = max(1, max_memory // max(1, min(jobs, len(layout.files))))  # per file being filled at once
     checks = source_checksums(index, placements, pieces)
     crcs: list[tuple[str, Future]] = []
-    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="hpckpt-engine") as pool:
-        # the sources' checks interleaved with the fills, so that they run while the disk writes
-        work = [(check_source, (path, offset, nbytes, crc)) for (path, offset, nbytes), crc in checks.items()]
-        files = [(_fill_file, (out_dir / f.name, f, index, pieces, budget, report, sync, pool, crcs)) for f in layout.files]
-        order = [job for pair in zip_longest(files, work) for job in pair if job is not None]
-        fills = [pool.submit(fn, *args) for fn, args in order]
-        for future in fills:
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="hpckpt-engine")
+    # the sources' checks interleaved with the fills, so that they run while the disk writes
+    work = [(check_source, (path, offset, nbytes, crc)) for (path, offset, nbytes), crc in checks.items()]
+    files = [(_fill_file, (out_dir / f.name, f, index, pieces, budget, report, sync, pool, crcs, stop))
+             for f in layout.files]
+    order = [job for pair in zip_longest(files, work) for job in pair if job is not None]
+    submitted: list[Future] = []
+    writers: list[Future] = []
+    try:
+        for fn, args in order:
+            submitted.append(pool.submit(fn, *args))
+            if fn is _fill_file:
+                writers.append(submitted[-1])
+        for future in submitted:
             future.result()
-        return Executed({name: future.result() for name, future in crcs}, _rank_stats(placements, pieces))
+        result = Executed({name: future.result() for name, future in crcs}, _rank_stats(placements, pieces))
+    except BaseException:
+        _stop_workers(pool, stop, writers)
+        raise
+    pool.shutdown(wait=True)
+    return result
+
+
+def _stop_workers(pool: ThreadPoolExecutor, stop: threading.Event, writers: list[Future]) -> None:
+    """Cancel the files not started, tell the running workers to stop, and wait only for those
+    that write (a source check or CRC read left running writes nothing)."""
+    stop.set()
+    pool.shutdown(wait=False, cancel_futures=True)
+    wait_for([f for f in writers if not f.cancelled()])  # (`wait` never returns for a cancelled one)
 
 
 def finish(layout: OutputLayout, finished: Finished, out_dir: Path, *, sync: bool = True) -> None:

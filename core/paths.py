@@ -6,7 +6,7 @@ import os
 import functools
 from pathlib import Path
 
-from hpckpt.core.errors import UnsafePathError
+from hpckpt.core.errors import MissingFileError, UnsafePathError
 
 
 @functools.lru_cache(maxsize=65536)
@@ -21,7 +21,10 @@ def resolve_inside(root: Path, relative: str) -> Path:
     if not relative or os.path.isabs(relative) or relative.startswith(("\\", "/")):
         raise UnsafePathError(f"path {relative!r} in the metadata is not relative to the checkpoint")
     root_resolved = root.resolve()
-    target = (root_resolved / relative).resolve()
+    try:
+        target = (root_resolved / relative).resolve()
+    except (RuntimeError, OSError):  # a symlink loop (RuntimeError up to Python 3.12, ELOOP after)
+        raise MissingFileError(f"{root / relative}: is a symlink loop, not a file") from None
     if target != root_resolved and root_resolved not in target.parents:
         raise UnsafePathError(
             f"path {relative!r} in the metadata leaves the checkpoint directory {root}",

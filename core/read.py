@@ -15,24 +15,19 @@ from typing import BinaryIO
 
 import numpy as np
 
+from hpckpt.core import input_files
 from hpckpt.core.box import Box, full_box
-from hpckpt.core.errors import CorruptDataError, GeometryError, MissingFileError
+from hpckpt.core.errors import CorruptDataError, GeometryError
 from hpckpt.core.index import BufferLocation, CheckpointIndex, Location, TensorEntry
 
 DEFAULT_READ_BUDGET = 64 * 1024 * 1024
 
 
 def open_data_file(path: Path, what: str = "data file") -> BinaryIO:
-    """Open a checkpoint's file for reading: a missing or unreadable one is a MissingFileError,
-    a directory where the file should be a CorruptDataError (`what` names what was expected)."""
-    try:
-        return open(path, "rb")
-    except FileNotFoundError:
-        raise MissingFileError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise CorruptDataError(f"{path}: is a directory, not a {what}") from None
-    except OSError as exc:
-        raise MissingFileError(f"{path}: cannot be read ({exc.strerror})") from None
+    """Open a checkpoint's data file for reading (`core.input_files`): a missing or unreadable one
+    is a MissingFileError; a directory, FIFO or device where the file should be a CorruptDataError
+    (`what` names what was expected)."""
+    return input_files.open_file(path, what)
 
 
 class OpenFiles:
@@ -45,12 +40,7 @@ class OpenFiles:
     def fd(self, path: Path) -> int:
         fd = self._fds.pop(path, None)
         if fd is None:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise MissingFileError(f"{path}: file not found") from None
-            except OSError as exc:
-                raise MissingFileError(f"{path}: cannot be read ({exc.strerror})") from None
+            fd = input_files.open_fd(path)  # once per file: the LRU keeps it
             while len(self._fds) >= self._limit:
                 _, old = self._fds.popitem(last=False)
                 os.close(old)

@@ -22,9 +22,9 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpckpt.core import dtypes
+from hpckpt.core import dtypes, input_files
 from hpckpt.core.dtypes import DType
-from hpckpt.core.errors import CorruptDataError, UnknownFormatError, UnsupportedDTypeError
+from hpckpt.core.errors import CorruptDataError, HpckptError, UnknownFormatError, UnsupportedDTypeError
 from hpckpt.core.read import open_data_file
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # what the safetensors library accepts
@@ -76,10 +76,7 @@ def read_header(path: Path, *, strict: bool = True) -> SafetensorsHeader:
                 f"{path}: safetensors header length {header_len} is larger than the file ({file_size} bytes): truncated?"
             )
         raw = f.read(header_len)
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptDataError(f"{path}: safetensors header is not valid JSON ({exc})") from None
+    doc = input_files.load_json(raw, f"{path}: safetensors header", CorruptDataError)
     if not isinstance(doc, dict):
         raise CorruptDataError(f"{path}: safetensors header is not a JSON object")
     header = SafetensorsHeader(path, file_size, 8 + header_len, {}, {})
@@ -200,10 +197,10 @@ def _check_layout(header: SafetensorsHeader, unsupported: list[TensorInfo]) -> N
 def is_safetensors(path: Path) -> bool:
     """Cheap sniff: a plausible header length followed by '{'."""
     try:
-        with open(path, "rb") as f:
+        with input_files.open_file(path) as f:
             head = f.read(9)
             size = os.fstat(f.fileno()).st_size
-    except OSError:
+    except (OSError, HpckptError):
         return False
     return looks_like_safetensors(head, size)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpckpt.core.metadata import RequiredFields
+from hpckpt.core.metadata import RequiredFields, check_entries
 
 
 @dataclass
@@ -94,3 +94,9 @@ TORCH_DCP_CLASSES: dict[tuple[str, str], Any] = {
     (_MODULE, "_MEM_FORMAT_ENCODING"): _mem_format,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
 }
+
+
+def check_dcp_metadata(metadata: Metadata, nbytes: int, where: str) -> None:
+    """The schema of PyTorch DCP metadata, per tensor (see `core.metadata.check_entries`)."""
+    check_entries(metadata, nbytes, where, storage_types=(MetadataIndex, _StorageInfo),
+                  tensor_type=TensorStorageMetadata)

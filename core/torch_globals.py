@@ -14,9 +14,11 @@ from typing import Any
 
 from hpckpt.core import dtypes
 from hpckpt.core.dtypes import DType
-from hpckpt.core.errors import CorruptDataError, UnknownFormatError, UnsafePickleError
+from hpckpt.core.errors import CorruptDataError, CorruptMetadataError, UnknownFormatError, UnsafePickleError
+from hpckpt.core.metadata import check_ints, check_shape
+from hpckpt.core.pickle_budget import describe
 from hpckpt.core.torch_records import BytesIOState, TensorRecord, span_elements
-from hpckpt.core.unpickle import safe_global
+from hpckpt.core.unpickle import check_encoding, safe_global
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,10 @@ def _rebuild_qtensor(storage, storage_offset, size, stride, *_ignored) -> Tensor
     format refuses; its bytes are not checked (quint4x2 packs two values per byte)."""
     if not isinstance(storage, Storage) or storage.dtype is None or storage.dtype.refusal is None:
         raise CorruptDataError("_rebuild_qtensor on a storage that is not a quantized one")
-    shape, strides = tuple(int(n) for n in size), tuple(int(s) for s in stride)
-    offset = storage.data_offset + int(storage_offset) * storage.dtype.itemsize
+    shape = check_shape(size, storage.dtype.itemsize, "a quantized tensor record")
+    strides = check_ints(stride, "a quantized tensor record: stride")
+    offset = storage.data_offset + check_ints((storage_offset,), "a quantized tensor record: offset")[0] * \
+        storage.dtype.itemsize
     return TensorRecord(storage.dtype, shape, strides, offset, storage.nbytes, storage.data_offset, storage.crc)
 
 
@@ -73,7 +77,10 @@ def _tensor(storage: Storage, storage_offset: int, size: Any, stride: Any, dtype
     dtype = dtype or storage.dtype
     if dtype is None:
         raise CorruptDataError("tensor on an untyped storage without a dtype")
-    shape, strides = tuple(int(n) for n in size), tuple(int(s) for s in stride)
+    shape = check_shape(size, dtype.itemsize, "a tensor record")
+    strides = check_ints(stride, "a tensor record: stride")
+    if type(storage_offset) is not int:
+        raise CorruptMetadataError(f"a tensor record: storage offset {describe(storage_offset)} is not an int")
     if len(shape) != len(strides) or min(shape + strides + (storage_offset,), default=0) < 0:
         raise CorruptDataError(f"tensor view size={shape} stride={strides} offset={storage_offset} is invalid")
     end = (storage_offset + span_elements(shape, strides)) * dtype.itemsize
@@ -114,6 +121,8 @@ def _bytes(*args: Any) -> bytes:
     """`bytes()`, which protocol 2 pickles `b""` as; never of a size (`bytes(10**12)`)."""
     if args and not isinstance(args[0], (bytes, bytearray, str)):
         raise UnsafePickleError("refusing bytes() of a size: only bytes() and bytes(bytes) are allowed")
+    if len(args) > 1:
+        check_encoding(args[1], "bytes()")
     return bytes(*args)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from hpckpt.core.dtypes import DType
 from hpckpt.core.errors import CorruptDataError, UnsafePickleError
 from hpckpt.core.index import Location
+from hpckpt.core.pickle_budget import register_leaf
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,9 @@ class TorchDevice:
         if not 1 <= len(args) <= 2 or not isinstance(args[0], str) or (len(args) == 2 and type(args[1]) is not int):
             raise UnsafePickleError(f"refusing torch.device{args!r}: only device(type) and device(type, index)")
         return cls(":".join(str(a) for a in args))
+
+
+register_leaf(TensorRecord, TorchDevice)  # the pickle budget's walk need not enter them
 
 
 def is_tensor_record(value: Any) -> bool:

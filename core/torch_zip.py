@@ -22,6 +22,7 @@ from typing import Any
 
 from hpckpt.core.dtypes import DType
 from hpckpt.core.errors import CorruptDataError, HpckptError
+from hpckpt.core import input_files
 from hpckpt.core.read import open_data_file
 from hpckpt.core.torch_globals import Storage, StorageType, record_global
 from hpckpt.core.torch_records import BytesIOState, TensorRecord, without_bytes_io
@@ -267,8 +268,8 @@ def load_record(path: "Path | str", start: int = 0, length: int | None = None, *
 def is_zip_record(path: "Path | str", start: int = 0) -> bool:
     """Cheap check: does a zip local header start at `start`? (False when unreadable.)"""
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+        fd = input_files.open_fd(Path(path))
+    except (OSError, HpckptError):
         return False
     try:
         return os.pread(fd, len(ZIP_MAGIC), start) == ZIP_MAGIC

@@ -5,6 +5,10 @@ stock unpickler would call it. Here every global is looked up in an explicit tab
 values and our own plain classes; anything else raises `UnsafePickleError` naming the global,
 before anything from the pickle has been called. torch is never imported: `torch.Size` becomes a
 tuple and torch dtypes become our `DType`.
+
+Allow-listed names can still be asked for too much (`range(10**12)`, a numpy array of 3e9
+elements, containers nested too deep or shared to explode): the budgets of `core.pickle_budget`
+are checked by the constructors here before they allocate, and on every value once it is loaded.
 """
 
 from __future__ import annotations
@@ -14,12 +18,15 @@ import collections
 import datetime
 import gc
 import io
+import operator
 import pathlib
 import pickle
+import threading
 from typing import Any, BinaryIO, Callable
 
 from hpckpt.core import dtypes
 from hpckpt.core.errors import CorruptMetadataError, HpckptError, UnsafePickleError
+from hpckpt.core.pickle_budget import check_value, current_budget, over_budget, register_leaf
 from hpckpt.core.metadata import HP_CLASSES
 from hpckpt.core.torch_dcp_metadata import TORCH_DCP_CLASSES
 from hpckpt.core.torch_records import TorchDevice
@@ -27,11 +34,47 @@ from hpckpt.core.torch_records import TorchDevice
 Resolver = Callable[[str, str], Any]
 
 
+#: The encodings pickle itself writes text with (`_codecs.encode(text, "latin1")`, protocols 0-2).
+PICKLE_ENCODINGS = frozenset(("latin1", "latin-1", "utf-8", "utf8", "ascii"))
+
+
+def check_encoding(encoding: Any, what: str) -> str:
+    """Only the encodings pickle uses: any other codec name runs codec lookup code (LookupError
+    on an unknown one, bytes-to-bytes codecs on others)."""
+    if not isinstance(encoding, str) or encoding.lower() not in PICKLE_ENCODINGS:
+        raise UnsafePickleError(f"refusing {what} with encoding {str(encoding)[:40]!r}: only "
+                                f"{', '.join(sorted(PICKLE_ENCODINGS))} are allowed")
+    return encoding
+
+
+def _encode(text: Any, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+    """`_codecs.encode`, as pickle uses it: a str, one of pickle's encodings."""
+    if not isinstance(text, str) or not isinstance(errors, str):
+        raise UnsafePickleError("refusing _codecs.encode of something other than a str")
+    return text.encode(check_encoding(encoding, "_codecs.encode"), errors)
+
+
 def _bytearray(*args: Any) -> bytearray:
     """bytearray from bytes only: `bytearray(10**12)` in a 30-byte pickle would exhaust memory."""
     if args and not isinstance(args[0], (bytes, bytearray, str)):
         raise UnsafePickleError("refusing bytearray() of a size: only bytearray(bytes) is allowed")
+    if len(args) > 1:
+        check_encoding(args[1], "bytearray()")
     return bytearray(*args)
+
+
+def _range(*args: Any) -> range:
+    """`range()` within the budget: code that turns a shape into a tuple would allocate it."""
+    made = range(*args)
+    limit = current_budget().range
+    try:
+        length = len(made)
+    except OverflowError:  # more than sys.maxsize elements
+        span = abs(made.stop - made.start) // abs(made.step)
+        raise over_budget(f"range() of {span:,} elements", span, "range", limit) from None
+    if length > limit:
+        raise over_budget(f"range() of {length:,} elements", length, "range", limit)
+    return made
 
 
 def _posix_path(*parts: str) -> str:
@@ -42,14 +85,59 @@ def _windows_path(*parts: str) -> str:
     return str(pathlib.PureWindowsPath(*parts))
 
 
+def _checked_dtype(np: Any, dtype: Any, what: str) -> Any:
+    """A numpy dtype without objects (an object array could hold anything) and of bounded size."""
+    made = np.dtype(dtype)
+    if made.hasobject:
+        raise UnsafePickleError(f"refusing {what} of object dtype: it can hold any object")
+    limit = current_budget().alloc
+    if made.itemsize > limit:
+        raise over_budget(f"{what} of {made.itemsize:,}-byte elements", made.itemsize, "alloc", limit)
+    return made
+
+
+def _checked_alloc(shape: Any, itemsize: int, what: str) -> tuple[int, ...]:
+    """The dims of `shape`, refused when an array of them would be larger than the budget."""
+    dims = tuple(map(operator.index, shape if isinstance(shape, (tuple, list)) else (shape,)))
+    nbytes, limit = itemsize, current_budget().alloc
+    for n in dims:
+        if n < 0:
+            raise UnsafePickleError(f"refusing {what} of shape {list(dims)[:8]}: negative dimension")
+        nbytes *= n
+    if nbytes > limit:
+        raise over_budget(f"{what} of {nbytes:,} bytes (shape {list(dims)[:8]})", nbytes, "alloc", limit)
+    return dims
+
+
 def _numpy_globals() -> dict[tuple[str, str], Any]:
+    """numpy's reconstructors, each checking what it would allocate before it does."""
     import numpy as np
     from numpy.core import multiarray
 
-    table: dict[tuple[str, str], Any] = {("numpy", "dtype"): np.dtype, ("numpy", "ndarray"): np.ndarray}
+    def dtype(spec: Any, align: bool = False, copy: bool = True) -> Any:
+        if not isinstance(spec, str):
+            raise UnsafePickleError(f"refusing numpy.dtype({type(spec).__name__}): pickles name a dtype by string")
+        return _checked_dtype(np, np.dtype(spec, bool(align), bool(copy)), "numpy.dtype")
+
+    def ndarray(shape: Any, dtype: Any = float) -> Any:
+        made = _checked_dtype(np, dtype, "numpy.ndarray")
+        return np.ndarray(_checked_alloc(shape, made.itemsize, "numpy.ndarray"), made)
+
+    def reconstruct(subtype: Any, shape: Any, dtype: Any) -> Any:
+        if subtype is not ndarray and subtype is not np.ndarray:
+            raise UnsafePickleError(f"refusing numpy _reconstruct of {type(subtype).__name__}: only ndarray")
+        made = _checked_dtype(np, dtype, "numpy._reconstruct")
+        return multiarray._reconstruct(np.ndarray, _checked_alloc(shape, made.itemsize, "numpy._reconstruct"), made)
+
+    def scalar(dtype: Any, *data: Any) -> Any:
+        if not isinstance(dtype, np.dtype):
+            raise UnsafePickleError("refusing numpy scalar() of something other than a dtype")
+        return multiarray.scalar(_checked_dtype(np, dtype, "numpy scalar"), *data)
+
+    table: dict[tuple[str, str], Any] = {("numpy", "dtype"): dtype, ("numpy", "ndarray"): ndarray}
     for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
-        table[(module, "scalar")] = multiarray.scalar
-        table[(module, "_reconstruct")] = multiarray._reconstruct
+        table[(module, "scalar")] = scalar
+        table[(module, "_reconstruct")] = reconstruct
     return table
 
 
@@ -73,12 +161,12 @@ _SAFE_GLOBALS: dict[tuple[str, str], Any] = {
     ("builtins", "complex"): complex,
     ("builtins", "bytearray"): _bytearray,
     ("builtins", "slice"): slice,
-    ("builtins", "range"): range,
+    ("builtins", "range"): _range,
     ("builtins", "tuple"): tuple,
     ("builtins", "list"): list,
     ("builtins", "dict"): dict,
     ("builtins", "object"): object,
-    ("_codecs", "encode"): lambda text, encoding="utf-8": text.encode(encoding),
+    ("_codecs", "encode"): _encode,
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("datetime", "datetime"): datetime.datetime,
     ("datetime", "date"): datetime.date,
@@ -98,6 +186,7 @@ _SAFE_GLOBALS: dict[tuple[str, str], Any] = {
     **_torch_globals(),
 }
 _numpy_added = False
+register_leaf(dtypes.DType)
 
 
 def safe_global(module: str, name: str) -> Any:
@@ -115,12 +204,91 @@ def safe_global(module: str, name: str) -> Any:
         ) from None
 
 
-class SafeUnpickler(pickle.Unpickler):
-    """`pickle.Unpickler` whose globals come from `safe_global` (or a caller's narrower resolver)."""
+VALUE, METADATA = "value", "metadata"
 
-    def __init__(self, file: BinaryIO, *, resolver: Resolver = safe_global):
+# Unpickling itself never recurses, but hashing a tuple does, in C and without a depth check: a
+# pickle nesting tuples 150,000 deep as a dict key overflows an 8 MiB stack (a crash, not an
+# error). Each level takes one opcode byte and about 60 bytes of stack, so a pickle larger than
+# DIRECT_BYTES is loaded in a thread whose stack holds one level per byte of the pickle.
+DIRECT_BYTES = 32 << 10
+STACK_PER_BYTE = 80
+MAX_STACK = 1 << 30
+_stack_lock = threading.Lock()
+
+
+def _stream_size(file: BinaryIO) -> int:
+    """Bytes left in `file` (0: unknown)."""
+    try:
+        if isinstance(file, io.BytesIO):
+            with file.getbuffer() as view:
+                return view.nbytes - file.tell()
+        here = file.seek(0, io.SEEK_CUR)
+        end = file.seek(0, io.SEEK_END)
+        file.seek(here)
+        return end - here
+    except (OSError, AttributeError, ValueError):
+        return 0
+
+
+def _load_on_big_stack(load: Callable[[], Any], nbytes: int) -> Any:
+    """`load()` in a thread whose stack fits `nbytes` levels of tuple nesting (see DIRECT_BYTES)."""
+    if 0 < nbytes <= DIRECT_BYTES:
+        return load()
+    size = STACK_PER_BYTE * nbytes if nbytes else MAX_STACK
+    size = min(MAX_STACK, max(size, 16 << 20) + (8 << 20)) // 4096 * 4096
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = load()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
+            outcome["error"] = exc
+
+    thread = _start_thread(run, size)
+    if thread is None:  # no address space for any such stack (a tight `ulimit -v`): load here
+        return load()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _start_thread(run: Callable[[], None], size: int) -> threading.Thread | None:
+    """A started thread with a stack of `size` bytes, else of a quarter of that, ... down to 16 MiB."""
+    while True:
+        with _stack_lock:
+            previous = threading.stack_size(size)
+            try:
+                thread = threading.Thread(target=run, name="hpckpt-unpickle", daemon=True)
+                thread.start()
+                return thread
+            except (RuntimeError, MemoryError):
+                if size <= 16 << 20:
+                    return None
+                size = max(16 << 20, size // 4 // 4096 * 4096)
+            finally:
+                threading.stack_size(previous)
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """`pickle.Unpickler` whose globals come from `safe_global` (or a caller's narrower resolver).
+
+    `kind` is VALUE (a `.bytes` pickle, a torch.save archive, a DCP record: arbitrary objects,
+    walked once by `pickle_budget.check_value` for depth and object count) or METADATA (millions
+    of objects of known classes: checked where they are read, see `core.metadata`).
+    """
+
+    def __init__(self, file: BinaryIO, *, resolver: Resolver = safe_global, kind: str = VALUE):
         super().__init__(file)
         self._resolver = resolver
+        self._kind = kind
+        self._nbytes = _stream_size(file)
+
+    def load(self) -> Any:
+        result = _load_on_big_stack(super().load, self._nbytes)
+        if self._kind == VALUE:
+            check_value(result, self._nbytes)
+        return result
 
     def find_class(self, module: str, name: str) -> Any:
         # Protocol 2 pickles (torch.save writes them) use Python 2 names such as
@@ -133,17 +301,19 @@ class SafeUnpickler(pickle.Unpickler):
         return self._resolver(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
-        raise UnsafePickleError(f"refusing persistent id {pid!r} outside a torch.save archive")
+        raise UnsafePickleError(f"refusing persistent id {type(pid).__name__} outside a torch.save archive")
 
 
 FREEZE_ABOVE_BYTES = 4 * 1024 * 1024
 
 
-def loads(data: bytes, *, what: str, resolver: Resolver = safe_global) -> Any:
-    """Unpickle `data` safely; `what` names the source in error messages.
+def loads(data: bytes, *, what: str, resolver: Resolver = safe_global, kind: str = VALUE) -> Any:
+    """Unpickle `data` safely; `what` names the source in error messages, `kind` is VALUE or
+    METADATA (see SafeUnpickler).
 
     Raises:
-        UnsafePickleError: the pickle names a global that is not allow-listed.
+        UnsafePickleError: the pickle names a global that is not allow-listed, or exceeds a
+            budget (`core.pickle_budget`).
         CorruptMetadataError: the bytes are not a complete pickle.
     """
     # A large metadata pickle creates millions of objects and no reference cycles; the cyclic
@@ -151,7 +321,7 @@ def loads(data: bytes, *, what: str, resolver: Resolver = safe_global) -> Any:
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        result = SafeUnpickler(io.BytesIO(data), resolver=resolver).load()
+        result = SafeUnpickler(io.BytesIO(data), resolver=resolver, kind=kind).load()
         if len(data) > FREEZE_ABOVE_BYTES:
             gc.freeze()  # keep the collector from rescanning the new objects, which hold no cycles
         return result
@@ -160,8 +330,8 @@ def loads(data: bytes, *, what: str, resolver: Resolver = safe_global) -> Any:
         exc.args = (exc.message,)
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError,
-            AttributeError, MemoryError, UnicodeDecodeError, OverflowError, RecursionError) as exc:
-        raise CorruptMetadataError(f"{what}: not a valid pickle ({type(exc).__name__}: {exc})") from exc
+            AttributeError, MemoryError, UnicodeDecodeError, OverflowError, RecursionError, LookupError) as exc:
+        raise CorruptMetadataError(f"{what}: not a valid pickle ({type(exc).__name__}: {str(exc)[:200]})") from exc
     finally:
         if gc_was_enabled:
             gc.enable()

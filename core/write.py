@@ -14,6 +14,8 @@ from pathlib import Path
 from hpckpt.core import engine
 from hpckpt.core.accounting import check_layout, check_written
 from hpckpt.core.commit import Fragment, Staging
+from hpckpt.core.durable import write_error
+from hpckpt.core.errors import HpckptError
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.plan import Plan
 from hpckpt.core.plan_stats import RankStats
@@ -49,6 +51,7 @@ class Written:
     ranks: tuple[RankStats, ...]
     skipped: tuple[tuple[str, str], ...]
     converted: tuple[tuple[str, str], ...] = ()
+    names: tuple[str, ...] = ()  # every file written (data, then metadata), relative to its directory
 
     @property
     def bytes_written(self) -> int:
@@ -61,36 +64,69 @@ class Written:
 
 def write_plan(plan: Plan, source: CheckpointIndex, writer, dest: Path, settings: WriteSettings, *,
                file_output: bool = False, fan_out: bool = False,
-               read_back: Callable[[Path], CheckpointIndex] | None = None) -> Written:
+               read_back: Callable[[Path], CheckpointIndex] | None = None,
+               source_path: Path | None = None) -> Written:
     """Lay `plan` out with `writer`, fill it from `source` and commit it at `dest`.
 
     `fan_out`: only the plan's producing ranks are written, straight into the shared `dest`
     (`core.commit.Fragment`); `hpckpt reshard --finalize` writes the metadata later.
     `read_back` (the format's reader) reads the staged output's metadata before it is committed,
     to prove it holds every entry that was not reported skipped (`core.accounting`).
+    `source_path` is where `source` was read from: `dest` may not overlap it (`core.commit`).
+
+    Raises:
+        NoSpaceError: the output does not fit (checked first), or the disk filled up meanwhile.
+        WriteFailedError: the system refused another write; nothing is left behind either way.
     """
-    values = {v.fqn: source.decode_value(v.fqn) for v in plan.values}
+    dest = Path(dest)
+    values = {v.fqn: source.decode_value(v.fqn) for v in plan.values}  # before anything is written
     layout = writer.layout(plan, values)
     check_layout(plan, layout)
     progress = settings.progress
     if progress is not None:
         progress.start(layout.nbytes)
+    needed = sum(f.size for f in layout.files)
+    try:
+        if fan_out:
+            done, metadata = _write_fragment(plan, layout, source, writer, dest, settings, source_path, needed), ()
+        else:
+            done, metadata = _write_staged(plan, layout, source, writer, dest, settings, file_output, read_back,
+                                           source_path, needed)
+    except OSError as exc:
+        if isinstance(exc, HpckptError):
+            raise
+        raise write_error(exc, dest, needed) from None
+    return Written(len(layout.files), done.ranks, layout.skipped, layout.converted,
+                   tuple(f.name for f in layout.files) + metadata)
+
+
+def _engine_options(settings: WriteSettings) -> dict:
+    progress = settings.progress
     advance: Callable[[int], None] | None = progress.advance if progress is not None else None
-    options = dict(jobs=settings.jobs, max_memory=settings.max_memory, progress=advance, sync=settings.sync)
-    if fan_out:
-        with Fragment(Path(dest), sync=settings.sync) as fragment:
-            done = engine.execute(layout, source, fragment.path, **options)
-            finished = writer.finish(done.crcs)
-            engine.finish(layout, finished, fragment.path, sync=settings.sync)
-            every_rank = replace(plan, producing=tuple(range(plan.world_size)))
-            fragment.commit(plan.producing, finished.metadata, writer.expected_files(every_rank))
-    else:
-        with Staging(Path(dest), force=settings.force, sync=settings.sync, file_output=file_output) as staging:
-            done = engine.execute(layout, source, staging.path, **options)
-            finished = writer.finish(done.crcs)
-            engine.finish(layout, finished, staging.path, sync=settings.sync)
-            staging.write_metadata(finished.metadata)
-            if read_back is not None:
-                check_written(plan, layout, read_back(staging.path / Path(dest).name if file_output else staging.path))
-            staging.commit()
-    return Written(len(layout.files), done.ranks, layout.skipped, layout.converted)
+    return dict(jobs=settings.jobs, max_memory=settings.max_memory, progress=advance, sync=settings.sync)
+
+
+def _write_fragment(plan, layout, source, writer, dest, settings, source_path, needed) -> engine.Executed:
+    with Fragment(dest, source=source_path, sync=settings.sync, parents=settings.parents,
+                  needed=needed) as fragment:
+        done = engine.execute(layout, source, fragment.path, **_engine_options(settings))
+        finished = writer.finish(done.crcs)
+        engine.finish(layout, finished, fragment.path, sync=settings.sync)
+        every_rank = replace(plan, producing=tuple(range(plan.world_size)))
+        fragment.commit(plan.producing, finished.metadata, writer.expected_files(every_rank))
+    return done
+
+
+def _write_staged(plan, layout, source, writer, dest, settings, file_output, read_back, source_path,
+                  needed) -> tuple[engine.Executed, tuple[str, ...]]:
+    """The staged write; returns what the engine did and the names of the metadata files."""
+    with Staging(dest, source=source_path, force=settings.force, sync=settings.sync, file_output=file_output,
+                 parents=settings.parents, needed=needed) as staging:
+        done = engine.execute(layout, source, staging.path, **_engine_options(settings))
+        finished = writer.finish(done.crcs)
+        engine.finish(layout, finished, staging.path, sync=settings.sync)
+        staging.write_metadata(finished.metadata)
+        if read_back is not None:  # the staged output, read as the format's reader reads it
+            check_written(plan, layout, read_back(staging.path / dest.name if file_output else staging.path))
+        staging.commit()
+    return done, tuple(name for name, _ in finished.metadata)

@@ -84,3 +84,20 @@ def as_json_value(value):
     if isinstance(value, dict):
         return {k: as_json_value(v) for k, v in value.items()}
     return value
+
+
+def write_row_sharded(root: Path) -> Path:
+    """A 4 MB HyperParallel checkpoint at `root`: `w` [1000, 1000] float32 in row shards over 2
+    ranks and a value `step`; big enough that a write takes many copy ranges (and overflows a
+    2 MiB disk), written by hpckpt's in-memory writer."""
+    from hpckpt.converters.hyperparallel.from_memory import ChunkData, write_checkpoint
+    from hpckpt.core import dtypes
+    from hpckpt.core.layout import Mesh, TensorLayout, parse_placements
+
+    root.mkdir(parents=True)
+    array = np.arange(1_000_000, dtype=np.float32).reshape(1000, 1000)
+    layout = TensorLayout(Mesh((2,)), parse_placements("S0"))
+    chunks = [ChunkData(rank, box, np.ascontiguousarray(array[box.slices()]).tobytes())
+              for rank, boxes in layout.all_boxes(array.shape).items() for box in boxes]
+    write_checkpoint(root, {"w": (dtypes.dtype("float32"), array.shape, chunks)}, {"step": (0, 7)})
+    return root

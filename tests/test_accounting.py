@@ -238,12 +238,14 @@ def test_a_tensor_in_two_hf_shards_is_read_from_the_one_the_index_names(tmp_path
     import torch
     from safetensors.torch import save_file
 
-    save_file({"w": torch.ones(2, 2), "a": torch.arange(3.0)}, tmp_path / "model-00001-of-00002.safetensors")
-    save_file({"w": torch.zeros(2, 2), "b": torch.arange(2.0)}, tmp_path / "model-00002-of-00002.safetensors")
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+    hf = tmp_path / "hf"  # (an output inside the source directory is refused)
+    hf.mkdir()
+    save_file({"w": torch.ones(2, 2), "a": torch.arange(3.0)}, hf / "model-00001-of-00002.safetensors")
+    save_file({"w": torch.zeros(2, 2), "b": torch.arange(2.0)}, hf / "model-00002-of-00002.safetensors")
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
         "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors",
         "w": "model-00002-of-00002.safetensors"}}))
-    api.convert(tmp_path, tmp_path / "out.pt")
+    api.convert(hf, tmp_path / "out.pt")
     assert torch.load(tmp_path / "out.pt", weights_only=True)["w"].sum() == 0  # shard 2's, as the index says
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -359,6 +360,12 @@ def test_existing_output_needs_force(fmt, name, tmp_path):
         assert sorted(p.name for p in out.iterdir()) == ["keep"] and (out / "keep").read_text() == "old"
     else:
         assert out.read_text() == "old"
+    if fmt != "safetensors":  # (a .safetensors name is sniffed as safetensors: --force replaces it)
+        refused = cli("consolidate", fixture, "-o", out, "--format", fmt, "--force")
+        assert refused.exit_code == 16 and "refusing to replace" in refused.stderr, refused.stderr
+        ours = tmp_path / f"ours-{name}"  # --force replaces an output of hpckpt's
+        api.consolidate(fixture, ours, fmt)
+        shutil.copytree(ours, out, dirs_exist_ok=True) if out.is_dir() else os.replace(ours, out)
     result = cli("consolidate", fixture, "-o", out, "--format", fmt, "--force", "--json")
     assert result.exit_code == 0, result.stderr
     want = expected_tensors(fixture)

@@ -493,7 +493,7 @@ def test_torch_dcp_to_hp_to_torch_dcp(sharded_dcp, tmp_path):
     back = tmp_path / "dcp"
     report = api.convert(hp, back, "torch-dcp")
     check_output("torch-dcp", back, tensors, values, report, tmp_path)
-    assert sorted(p.name for p in back.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(p.name for p in back.iterdir()) == [".hpckpt.json", ".metadata", "__0_0.distcp", "__1_0.distcp"]
     # the round trip keeps torch's own chunking (boxes are stored once, replicas too)
     assert boxes_of_torch_dcp(back) == boxes_of_hp(hp)
     assert filled(boxes_of_torch_dcp(back)) == filled(boxes_of_torch_dcp(src))
@@ -510,7 +510,8 @@ def test_torch_dcp_output_keeps_the_hp_chunking(sharded_dcp, tmp_path):
     out = tmp_path / "dcp3"
     result = cli("convert", hp, "-o", out, "--to", "torch-dcp")
     assert result.exit_code == 0, result.stderr
-    assert sorted(p.name for p in out.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    assert sorted(p.name for p in out.iterdir()) == [".hpckpt.json", ".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                     "__2_0.distcp"]
     assert boxes_of_torch_dcp(out) == boxes_of_hp(hp)
     assert len(boxes_of_hp(hp)["rows"]) == 3  # 5 rows over 3 ranks: really re-chunked
     check_output("torch-dcp", out, tensors, values, {}, tmp_path)
@@ -843,6 +844,13 @@ def test_existing_destination(target, tmp_path):
     assert snapshot(out) == before
     with pytest.raises(DestinationExistsError):
         api.convert(fixture, out, target)
+    if target != "safetensors":  # (a .safetensors name is sniffed as safetensors: --force replaces it)
+        refused = cli("convert", fixture, "-o", out, "--to", target, "--force")
+        assert refused.exit_code == 16 and "refusing to replace" in refused.stderr, refused.stderr
+        assert snapshot(out) == before
+        ours = tmp_path / f"ours-{out.name}"  # --force replaces an output of hpckpt's
+        api.convert(fixture, ours, target)
+        shutil.copytree(ours, out, dirs_exist_ok=True) if out.is_dir() else os.replace(ours, out)
     result = cli("convert", fixture, "-o", out, "--to", target, "--force")
     assert result.exit_code == 0, result.stderr
     assert not (out.is_dir() and (out / "keep.txt").exists())

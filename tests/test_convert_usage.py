@@ -21,11 +21,11 @@ def run(*args) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("extra, says", [
-    (["--to", "bogus"], "unknown format 'bogus': choose one of hyperparallel"),
+    (["--to", "bogus"], "'bogus' is not one of 'hyperparallel', 'hp', 'torch-dcp'"),
     (["--to", "pt", "--world-size", "2"], "layout options apply to hp and torch-dcp targets"),
     (["--to", "hp", "--placements", "R"], "--placements goes with --mesh"),
     (["--to", "pt", "--names", "nosuchpreset"], "no preset or rules file 'nosuchpreset'"),
-    (["--to", "pt", "--framework", "jax"], "torch or mindspore"),
+    (["--to", "pt", "--framework", "jax"], "'jax' is not one of 'torch', 'mindspore'"),
 ])
 def test_usage_errors_exit_2_and_write_nothing(tmp_path, extra, says):
     out = tmp_path / "out"

@@ -118,7 +118,9 @@ def test_reshard_then_consolidate_is_identity(tensors, target_mesh, seed, reshar
             rank = data.draw(st.sampled_from(holders[box]))
             chunks.append(ChunkData(rank, box, np.ascontiguousarray(array[box.slices()]).tobytes()))
         written[fqn] = (dtypes.dtype(dtype), shape, chunks)
-        rules.append((fqn, tuple(data.draw(placement) for _ in target_mesh.shape)))  # target, per tensor
+        # the target, per tensor: a Shard of a dim the tensor lacks is refused (PlacementFitError)
+        fitting = placement.filter(lambda p: not shape or not isinstance(p, Shard) or p.dim < len(shape))
+        rules.append((fqn, tuple(data.draw(fitting) for _ in target_mesh.shape)))
     target = LayoutSpec(target_mesh, rules=rules)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -19,7 +19,7 @@ def test_json_document_of_a_real_hyperparallel_checkpoint():
     out = _cli("inspect", str(FIXTURES / "m0-torch-4rank"), "--json")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
-    assert doc["schema"] == 2
+    assert doc["schema"] == 3
     assert (doc["format"], doc["format_version"], doc["framework"], doc["world_size"]) == ("hyperparallel", "1.0", "torch", 4)
     assert doc["counts"] == {"tensors": 15, "values": 9, "chunks": 42, "tensor_bytes": 1656}
     assert [f["path"] for f in doc["files"]][0] == ".metadata"

@@ -396,8 +396,9 @@ def test_writer_refuses_misuse_and_leaves_nothing(tmp_path):
     # (dropped: "remain", "twice", "never written", "closed before", "aborted" tested the
     # streaming CkptWriter's add_tensor/add_string/begin_tensor/write/end_tensor/close/abort API)
 
-    path.write_bytes(b"previous")  # a failed run leaves an existing destination alone
+    write_with_hpckpt(path, {"p": np.ones(1, np.float32)})  # a failed run leaves an existing destination alone
+    previous = path.read_bytes()
     with pytest.raises(RuntimeError):
         write_with_hpckpt(path, {"a": np.zeros(2, np.float32)}, {"s": "x"}, piece=4, force=True,
                           progress=FailingProgress())
-    assert path.read_bytes() == b"previous" and list(tmp_path.iterdir()) == [path]
+    assert path.read_bytes() == previous and list(tmp_path.iterdir()) == [path]

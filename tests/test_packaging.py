@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 
+import pytest
 from _util import REPO
 
 
@@ -85,3 +87,47 @@ def test_readme_library_example_runs(tmp_path):
     out = _run([sys.executable, "-c", code], cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "out" / "torch-dcp" / ".metadata").is_file() and (tmp_path / "out" / "model.ckpt").is_file()
+
+
+def _typer_bounds() -> tuple[str, str]:
+    """The lowest and the exclusive upper typer version pyproject.toml allows."""
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    spec = next(d for d in deps if d.startswith("typer"))
+    low, high = re.fullmatch(r"typer>=([\d.]+),<([\d.]+)", spec).groups()
+    return low, high
+
+
+@pytest.mark.parametrize("bound", ["lowest", "highest"])
+def test_cli_works_with_the_lowest_and_highest_typer_allowed(tmp_path, bound):
+    """The range in pyproject.toml is what is tested: each end is installed on its own (pip, from
+    the registry; no network is a failure, not a skip) and the CLI's answers are checked with it."""
+    low, high = _typer_bounds()
+    requirement = f"typer=={low}" if bound == "lowest" else f"typer<{high}"
+    target = tmp_path / "site"
+    pip = _run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), requirement])
+    assert pip.returncode == 0, pip.stderr
+    env = {**os.environ, "PYTHONPATH": str(target)}
+
+    def hpckpt(*args):
+        return subprocess.run([sys.executable, "-m", "hpckpt", *map(str, args)], capture_output=True, text=True,
+                              env=env, cwd=tmp_path, timeout=120)
+
+    version = subprocess.run([sys.executable, "-c", "import typer; print(typer.__version__)"], capture_output=True,
+                             text=True, env=env).stdout.strip()
+    numbers = tuple(int(n) for n in version.split("."))
+    lowest, above = (tuple(int(n) for n in v.split(".")) for v in (low, high))
+    assert numbers[:len(lowest)] == lowest if bound == "lowest" else lowest <= numbers < above, version
+    for command in ("inspect", "verify", "reshard", "consolidate", "convert", "convert-ms-torch", "env", "completion"):
+        assert hpckpt(command, "--help").returncode == 0, (version, command)
+    wrong = hpckpt("--json", "consolidate", REPO / "examples" / "tiny-hp", "-o", "x", "--format", "onnx")
+    assert wrong.returncode == 2 and "'onnx' is not one of 'hyperparallel', 'hp'" in wrong.stderr, (version, wrong)
+    assert json.loads(wrong.stdout)["error"]["kind"] == "usage", (version, wrong.stdout)
+    inspected = hpckpt("inspect", REPO / "examples" / "tiny-hp", "--json")
+    assert inspected.returncode == 0 and json.loads(inspected.stdout)["counts"]["tensors"] == 6, (version, inspected)
+    resharded = hpckpt("reshard", REPO / "examples" / "tiny-hp", "-o", "out", "--world-size", "3", "--json")
+    assert resharded.returncode == 0, (version, resharded.stderr)
+    assert json.loads(resharded.stdout)["written"], (version, resharded.stdout)
+    for shell, name in (("bash", "hpckpt.bash"), ("zsh", "_hpckpt"), ("fish", "hpckpt.fish")):
+        assert hpckpt("completion", shell).stdout == (REPO / "completions" / name).read_text(), (version, shell)

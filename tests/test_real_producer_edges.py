@@ -59,19 +59,23 @@ def test_entries_a_name_preset_drops_are_reported_skipped(tmp_path):
 def test_a_lone_hugging_face_shard_says_what_it_is(tmp_path):
     from safetensors.torch import save_file
 
-    save_file({"a": torch.ones(2)}, tmp_path / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
-    proc = run_hpckpt("convert", tmp_path, "-o", tmp_path / "out.pt")
+    shard = tmp_path / "shard"  # (an output inside the source directory is refused)
+    shard.mkdir()
+    save_file({"a": torch.ones(2)}, shard / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    proc = run_hpckpt("convert", shard, "-o", tmp_path / "out.pt")
     assert proc.returncode == 0
     assert any(line.startswith("warning: source:") and "shard 1 of 2" in line for line in proc.stderr.splitlines())
 
 
 def test_a_tensor_in_two_bin_shards_is_read_from_the_one_the_index_names(tmp_path):
-    torch.save({"w": torch.ones(2), "a": torch.ones(1)}, tmp_path / "pytorch_model-00001-of-00002.bin")
-    torch.save({"w": torch.zeros(2), "b": torch.ones(1)}, tmp_path / "pytorch_model-00002-of-00002.bin")
-    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+    bins = tmp_path / "bins"  # (an output inside the source directory is refused)
+    bins.mkdir()
+    torch.save({"w": torch.ones(2), "a": torch.ones(1)}, bins / "pytorch_model-00001-of-00002.bin")
+    torch.save({"w": torch.zeros(2), "b": torch.ones(1)}, bins / "pytorch_model-00002-of-00002.bin")
+    (bins / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
         "a": "pytorch_model-00001-of-00002.bin", "b": "pytorch_model-00002-of-00002.bin",
         "w": "pytorch_model-00002-of-00002.bin"}}))
-    api.convert(tmp_path, tmp_path / "out.pt")
+    api.convert(bins, tmp_path / "out.pt")
     assert torch.load(tmp_path / "out.pt", weights_only=True)["w"].sum() == 0
 
 

@@ -197,9 +197,9 @@ def check_resharded(out: Path, source: Path, spec: LayoutSpec) -> None:
                 keys = sorted(k for f, *_, k in items if f == fqn)
                 assert keys == sorted(f"{fqn}.__dcp_chunk_{i}" for i in range(n)), keys
 
-    # 5. nothing else: metadata, rank files, the values file; no leftovers next to it
+    # 5. nothing else: metadata, hpckpt's record, rank files, the values file; no leftovers next to it
     others = sorted(p.name for p in out.iterdir() if not p.name.endswith(".safetensors"))
-    assert others == [".metadata"] + (["_rank0_.bytes"] if values else [])
+    assert others == [".hpckpt.json", ".metadata"] + (["_rank0_.bytes"] if values else [])
     assert not [p for p in out.parent.iterdir() if ".hpckpt-tmp-" in p.name]
 
 
@@ -499,6 +499,10 @@ def test_existing_destination_and_force(tmp_path):
     with pytest.raises(DestinationExistsError):
         api.reshard(src, out, LayoutSpec.for_world_size(3))
     assert snapshot(src) == before
+    result = cli("reshard", src, "-o", out, "-w", "3", "--force")  # no checkpoint: not replaced
+    assert result.exit_code == 16 and "1 entries and no checkpoint" in result.stderr, (result.exit_code, result.stderr)
+    assert tree(out) == {"old.txt": b"keep me"}
+    shutil.copytree(FIXTURES / "m0-torch-4rank", out, dirs_exist_ok=True)  # a checkpoint: --force replaces it
     result = cli("reshard", src, "-o", out, "-w", "3", "--force", "--json")
     assert result.exit_code == 0, result.stderr
     assert not (out / "old.txt").exists()

@@ -390,13 +390,14 @@ def test_finish_needs_every_tensors_crc(tmp_path):
 
 def test_exception_mid_write_keeps_the_old_file(tmp_path):
     path = tmp_path / "x.pt"
-    path.write_bytes(b"previous")
+    write_source(path, two_tensors())  # (--force replaces only a file hpckpt recognises)
+    previous = path.read_bytes()
     with pytest.raises(DestinationExistsError):
         write_source(path, two_tensors())  # force=False: an existing file is refused
-    assert list(tmp_path.iterdir()) == [path] and path.read_bytes() == b"previous"
+    assert list(tmp_path.iterdir()) == [path] and path.read_bytes() == previous
     with pytest.raises(KeyboardInterrupt):
         write_source(path, two_tensors(), max_memory=4, force=True, progress=Failing(KeyboardInterrupt(), after=8))
-    assert list(tmp_path.iterdir()) == [path] and path.read_bytes() == b"previous"
+    assert list(tmp_path.iterdir()) == [path] and path.read_bytes() == previous
     write_source(path, two_tensors(), force=True)  # a successful forced run replaces it
     assert list(tmp_path.iterdir()) == [path]
     assert torch.load(path, weights_only=True)["t"].tolist() == [0.0] * 4

@@ -188,13 +188,18 @@ def test_missing_rank_metadata_is_a_clear_error(rank_local, tmp_path, lost):
             TorchDcpReader().read_index(ckpt)
 
 
-def test_global_metadata_wins_over_rank_local(rank_local, tmp_path):
-    """As in torch's reader: with a `.metadata`, stray rank-local files are not read."""
+def test_global_metadata_beside_rank_local_must_agree(rank_local, tmp_path):
+    """As in torch's reader `.metadata` is read, but never silently: rank-local files beside it
+    that list what it does not are another save (exit 6); a consistent subset is a warning."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(rank_local / "good", ckpt)
     shutil.copy(ckpt / "__0.metadata", ckpt / ".metadata")
+    with pytest.raises(CorruptMetadataError, match="disagree on"):
+        TorchDcpReader().read_index(ckpt)
+    (ckpt / "__1.metadata").unlink()
     index = TorchDcpReader().read_index(ckpt)
     assert index.metadata_files == [".metadata"] and "own1" not in index.tensors
+    assert any("consistent subset" in w for w in index.warnings)
 
 
 def test_unreadable_rank_local_metadata(rank_local, tmp_path):

@@ -76,8 +76,9 @@ def verify(path: Path, *options: str) -> tuple[int, dict]:
 
 
 def check_schema(report: dict, path: Path) -> None:
-    assert list(report) == ["schema", "hpckpt_version", "path", "format", "ok", "exit_code", "checked", "findings"]
-    assert report["schema"] == 2
+    assert list(report) == ["schema", "hpckpt_version", "command", "ok", "written", "skipped", "warnings",
+                            "path", "format", "exit_code", "checked", "findings"]
+    assert report["schema"] == 3
     assert report["hpckpt_version"] == hpckpt.__version__
     assert report["path"] == str(path)
     assert isinstance(report["format"], str) and report["format"]

@@ -5,17 +5,19 @@ plus `_rank{r}_.safetensors` and `.bytes` files. Format spec: docs/hyperparallel
 from __future__ import annotations
 
 import functools
+import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
-from hpckpt.converters import index_cache
+from hpckpt.converters import hpckpt_json, index_cache
 from hpckpt.converters.data_files import DataFileLocator
-from hpckpt.core import dtypes
+from hpckpt.converters.torch_dcp.metadata_files import cross_check, index_entries
+from hpckpt.core import dtypes, input_files
 from hpckpt.core.box import Box
-from hpckpt.core.errors import CorruptMetadataError, MissingFileError, UnknownFormatError
+from hpckpt.core.errors import CorruptMetadataError, UnknownFormatError
 from hpckpt.core.index import CheckpointIndex, Chunk, TensorEntry, ValueEntry, int_rows
 from hpckpt.core.layout import inferred_layouts
 from hpckpt.core.metadata import (
@@ -24,7 +26,9 @@ from hpckpt.core.metadata import (
     MetadataIndex,
     TensorStorageMetadata,
 )
-from hpckpt.core.unpickle import loads, sniff_head
+from hpckpt.core.metadata import (bad_chunk, check_hp_metadata, check_ints, check_shape, check_shared_starts,
+                                  dtype_spelling, guarded, storage_paths)
+from hpckpt.core.unpickle import METADATA, loads, sniff_head
 
 GLOBAL_METADATA = ".metadata"
 _RANK_LOCAL = re.compile(r"^(\d+)\.metadata$")
@@ -35,25 +39,35 @@ _LEGACY_PREFIX = "hyper_parallel.core.checkpoint."
 
 
 def metadata_files(root: Path) -> list[str]:
-    """The metadata files of a HyperParallel checkpoint: `.metadata`, else the rank-local ones."""
-    if (root / GLOBAL_METADATA).is_file():
+    """The metadata files of a HyperParallel checkpoint: `.metadata`, else the rank-local ones.
+
+    Raises:
+        MissingFileError: one of them is a FIFO, a device or a directory (refused unopened,
+            whatever the format: a PyTorch DCP `.metadata` is checked here too, as this runs first).
+    """
+    if os.path.lexists(root / GLOBAL_METADATA):
+        input_files.check_regular(root / GLOBAL_METADATA, "metadata file")
         return [GLOBAL_METADATA]
+    return [name for _, name in rank_local(root)]
+
+
+def rank_local(root: Path) -> list[tuple[int, str]]:
+    """`(rank, name)` of every `{rank}.metadata` (or legacy `.rank{rank}_metadata`), by rank."""
     ranked = []
     for child in root.iterdir():
         match = _RANK_LOCAL.match(child.name) or _LEGACY_RANK_LOCAL.match(child.name)
-        if match and child.is_file():
+        if match:
+            input_files.check_regular(child, "metadata file")
             ranked.append((int(match.group(1)), child.name))
-    return [name for _, name in sorted(ranked)]
+    return sorted(ranked)
 
 
 def _read_pickle(root: Path, name: str) -> Metadata:
-    try:
-        data = (root / name).read_bytes()
-    except OSError as exc:
-        raise MissingFileError(f"{root / name}: cannot be read ({exc.strerror})") from None
+    data = input_files.read_small(root / name, "metadata file", input_files.metadata_limit())
     if not data:
         raise CorruptMetadataError(f"{root / name}: empty metadata file")
-    metadata = loads(data, what=str(root / name))
+    metadata = loads(data, what=str(root / name), kind=METADATA)
+    check_hp_metadata(metadata, len(data), str(root / name))
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise CorruptMetadataError(f"{root / name}: pickle does not hold a HyperParallel Metadata object")
     if not isinstance(metadata.storage_data, dict):
@@ -75,15 +89,30 @@ class HyperParallelReader:
     def read_index(self, path: Path, *, use_cache: bool = False) -> CheckpointIndex:
         names = metadata_files(path)
         index = None
-        if use_cache:
-            index = index_cache.load(path, names, DataFileLocator(path), lambda: self._parse(path, names))
-        if index is None:
+        if use_cache:  # the record is part of the cache's identity: a changed one is read again
+            identity = names + ([hpckpt_json.NAME] if os.path.lexists(path / hpckpt_json.NAME) else [])
+            index = index_cache.load(path, identity, DataFileLocator(path), lambda: self._parse(path, names))
+        if index is not None:
+            hpckpt_json.apply(index)  # the snapshot has the world size, not the record's warnings
+        else:
             index = self._parse(path, names)
+            index.warnings += self._cross_check(path, names, index)
+            hpckpt_json.apply(index)
             if use_cache:
                 inferred_layouts(index)  # the snapshot keeps what inspect derives
                 index_cache.store(index)
         index.locator.warnings = index.warnings  # a value read as raw bytes is said so (DataFileLocator)
         return index
+
+    def _cross_check(self, path: Path, names: list[str], index: CheckpointIndex) -> list[str]:
+        """`.metadata` beside `{rank}.metadata` files is read only if they agree (as PyTorch DCP's,
+        `metadata_files.cross_check`)."""
+        local_names = [name for _, name in rank_local(path)] if names == [GLOBAL_METADATA] else []
+        if not local_names:
+            return []
+        local = self._parse(path, local_names)
+        return [cross_check(path, index_entries(index.tensors, index.values),
+                            index_entries(local.tensors, local.values), local_names)]
 
     def _parse(self, path: Path, names: list[str]) -> CheckpointIndex:
         tensors: dict[str, TensorEntry] = {}
@@ -97,7 +126,7 @@ class HyperParallelReader:
             metadata = _read_pickle(path, name)
             versions.add(str(metadata.__dict__.get("version", "1.0")))
             _Source(metadata, name).merge_into(tensors, values)
-            files.update(info.relative_path for info in metadata.storage_data.values())
+            files.update(storage_paths(metadata.storage_data, name))
             if isinstance(metadata.planner_data, dict):
                 planner_data.update(metadata.planner_data)
         data_files = sorted(files)
@@ -139,12 +168,12 @@ class _Source:
         """
         if self._by_box is None:
             storage = self.metadata.storage_data
-            self._by_box = {(k.fqn, k.offset): v for k, v in storage.items()}
+            self._by_box = {(k.fqn, _ints(k.offset or ())): v for k, v in storage.items()}  # ints: hashed safely
             expected = sum(len(i.chunks) if isinstance(i, TensorStorageMetadata) else 1
                            for i in self.metadata.state_dict_metadata.values())
             self._by_position = {}
             if len(storage) < expected:
-                self._by_position = {(k.fqn, tuple(k.offset or ()), k.index): v for k, v in storage.items()}
+                self._by_position = {(k.fqn, _ints(k.offset or ()), k.index): v for k, v in storage.items()}
         return self._by_box, self._by_position
 
     def _by_index(self) -> dict[str, dict[int, tuple]]:
@@ -182,8 +211,11 @@ class _Source:
         return out
 
     def chunks(self, fqn: str, item: TensorStorageMetadata) -> list[Chunk]:
-        return [Chunk(Box(_ints(c.offsets), _ints(c.sizes)), info.relative_path, info.tensor_key or fqn)
-                for c, info in zip(item.chunks, self._infos(fqn, item))]
+        built = [Chunk(Box(_ints(c.offsets), _ints(c.sizes)), info.relative_path, info.tensor_key or fqn)
+                 for c, info in zip(item.chunks, self._infos(fqn, item))]
+        if len(built) > 1:
+            check_shared_starts([c.box for c in built], f"{self.name}: tensor {fqn}")
+        return built
 
     def files(self, fqn: str, item: TensorStorageMetadata, which: Iterable[int] | None = None) -> list[str]:
         return [info.relative_path for info in self._infos(fqn, item, which)]
@@ -192,18 +224,22 @@ class _Source:
         storage = self.metadata.storage_data
         for fqn, item in self.metadata.state_dict_metadata.items():
             if isinstance(item, TensorStorageMetadata):
-                spelling = str(item.properties.dtype)
+                spelling = dtype_spelling(item.properties, f"{self.name}: tensor {fqn}")
                 try:
                     dtype = dtypes.dtype(spelling)
                 except UnknownFormatError as exc:
                     raise UnknownFormatError(f"{self.name}: tensor {fqn}: {exc.message}") from None
-                shape = tuple(int(s) for s in item.size)
-                build = functools.partial(self.chunks, fqn, item)
+                where = f"{self.name}: tensor {fqn}"
+                shape = check_shape(item.size, dtype.itemsize, where)
+                diagnose = functools.partial(_bad_chunk, item, len(shape))
+                build = guarded(functools.partial(self.chunks, fqn, item), where, diagnose)
                 entry = tensors.get(fqn)
                 if entry is None:
                     tensors[fqn] = TensorEntry(fqn, dtype, shape, None, spelling, build=build, n_chunks=len(item.chunks),
-                                               build_arrays=functools.partial(_arrays, item, len(shape), fqn),
-                                               build_files=functools.partial(self.files, fqn, item))
+                                               build_arrays=guarded(functools.partial(_arrays, item, len(shape), fqn),
+                                                                    where, diagnose),
+                                               build_files=guarded(functools.partial(self.files, fqn, item), where,
+                                                                   diagnose))
                 elif entry.dtype != dtype or entry.shape != shape:
                     raise CorruptMetadataError(
                         f"{self.name}: tensor {fqn} is {dtype}{list(shape)} here but "
@@ -217,7 +253,9 @@ class _Source:
                 info = storage.get(MetadataIndex(fqn))
                 if info is None:
                     raise CorruptMetadataError(f"{self.name}: value {fqn} has no storage_data entry")
-                values.setdefault(fqn, ValueEntry(fqn, info.relative_path, int(info.offset), int(info.length)))
+                offset, length = check_ints((getattr(info, "offset", None), getattr(info, "length", None)),
+                                            f"{self.name}: value {fqn}: byte range")
+                values.setdefault(fqn, ValueEntry(fqn, info.relative_path, offset, length))
             else:
                 raise CorruptMetadataError(f"{self.name}: entry {fqn} has unexpected type {type(item).__name__}")
 
@@ -225,6 +263,10 @@ class _Source:
 def _ints(values) -> tuple[int, ...]:
     """A box's offsets or sizes as a tuple of ints, whatever sequence the pickle held."""
     return tuple(map(int, values))
+
+
+def _bad_chunk(item: TensorStorageMetadata, ndim: int) -> str | None:
+    return bad_chunk(item.chunks, ndim)
 
 
 def _arrays(item: TensorStorageMetadata, ndim: int, fqn: str) -> tuple[np.ndarray, np.ndarray]:

@@ -15,7 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hpckpt.core import dtypes, safetensors_io
+from hpckpt.core import dtypes, input_files, safetensors_io
+from hpckpt.core.read import open_data_file
 from hpckpt.core.box import Box
 from hpckpt.core.errors import (
     CorruptDataError,
@@ -27,6 +28,8 @@ from hpckpt.core.errors import (
 )
 from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry, parse_range_key
 from hpckpt.core.paths import resolve_inside
+from hpckpt.core.metadata import check_ints, check_shape, dtype_spelling, schema_errors
+from hpckpt.core.pickle_budget import describe
 from hpckpt.core.torch_dcp_metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -34,6 +37,7 @@ from hpckpt.core.torch_dcp_metadata import (
     TensorStorageMetadata,
     _StorageInfo,
 )
+from hpckpt.converters import hpckpt_json
 from hpckpt.converters.safetensors_pieces import saved_offsets
 from hpckpt.converters.torch_dcp import metadata_files, nested
 from hpckpt.converters.torch_dcp.metadata_files import RANK_FILE, RANK_LOCAL
@@ -122,7 +126,7 @@ class TorchDcpLocator:
         offset, length = parse_range_key(key, fqn, CorruptMetadataError)
         path = resolve_inside(self.root, file)
         self._check_range(path, file, fqn, offset, length)
-        with open(path, "rb") as f:
+        with open_data_file(path) as f:
             fd = f.fileno()
             if os.pread(fd, min(length, len(ZIP_MAGIC)), offset) == ZIP_MAGIC or (
                     length >= _ZIP_END_SIZE and os.pread(fd, 4, offset + length - _ZIP_END_SIZE) == _ZIP_END):
@@ -151,10 +155,9 @@ class TorchDcpLocator:
 
     @staticmethod
     def _check_range(path: Path, file: str, fqn: str, offset: int, length: int) -> None:
-        try:
-            size = path.stat().st_size
-        except OSError:
-            raise MissingFileError(f"{file}: data file of {fqn!r} does not exist or cannot be read") from None
+        if not path.exists():
+            raise MissingFileError(f"{file}: data file of {fqn!r} does not exist or cannot be read")
+        size = input_files.check_regular(path, "data file").st_size  # a FIFO or a directory: refused, unopened
         if offset < 0 or length < 0 or offset + length > size:
             raise CorruptDataError(
                 f"{file}: item {fqn!r} at bytes {offset}..{offset + length} lies outside the {size}-byte file"
@@ -181,18 +184,17 @@ class TorchDcpReader:
     def read_index(self, path: Path) -> CheckpointIndex:
         root = Path(path)
         names = metadata_files.metadata_names(root)
-        merged = _Merged(root)
-        for name in names:
-            merged.add(name, metadata_files.load_metadata(root, name))
-        tensors = {fqn: TensorEntry(fqn, dtype, shape, chunks, dtype_spelling=dtype.torch)
-                   for fqn, (dtype, shape, chunks, _first) in merged.tensors.items()}
+        merged = _merged(root, names)
+        tensors = merged.entries()
+        cross_checked = _cross_check(root, names, merged)
         expanded = nested.expand(root, merged.order, tensors, merged.values, merged.planner, set(merged.transformed))
         files = sorted({c.file for e in expanded.tensors.values() for c in e.chunks}
                        | {v.file for v in expanded.values.values()})
         transformed = merged.transformed
         warnings = [f"{len(transformed)} item(s) are stored with transforms hpckpt cannot read"] if transformed else []
+        warnings += cross_checked
         versions = sorted(set(merged.versions))
-        return CheckpointIndex(
+        index = CheckpointIndex(
             root=root,
             format=self.name,
             format_version=",".join(versions) if versions else "unknown",
@@ -206,6 +208,26 @@ class TorchDcpReader:
             planner_data=expanded.planner if merged.has_planner or expanded.leaves or expanded.records else None,
             warnings=warnings,
         )
+        hpckpt_json.apply(index)  # the exact world size, when hpckpt wrote it
+        return index
+
+
+def _merged(root: Path, names: list[str]) -> "_Merged":
+    merged = _Merged(root)
+    for name in names:
+        merged.add(name, metadata_files.load_metadata(root, name))
+    return merged
+
+
+def _cross_check(root: Path, names: list[str], merged: "_Merged") -> list[str]:
+    """A `.metadata` beside rank-local `__{rank}.metadata` files is read only if they agree
+    (`metadata_files.cross_check`); then the index warns that both are there."""
+    local_names = [name for _, name in metadata_files.rank_local_files(root)] if names == [METADATA] else []
+    if not local_names:
+        return []
+    local = _merged(root, local_names)
+    return [metadata_files.cross_check(root, metadata_files.index_entries(merged.entries(), merged.values),
+                                       metadata_files.index_entries(local.entries(), local.values), local_names)]
 
 
 class _Merged:
@@ -228,6 +250,10 @@ class _Merged:
         self.has_planner = False
         self.transformed: dict[tuple[str, str], Any] = {}
         self.versions: list[str] = []
+
+    def entries(self) -> dict[str, TensorEntry]:
+        return {fqn: TensorEntry(fqn, dtype, shape, chunks, dtype_spelling=dtype.torch)
+                for fqn, (dtype, shape, chunks, _first) in self.tensors.items()}
 
     def add(self, name: str, metadata: Metadata) -> None:
         where = self.root / name
@@ -280,8 +306,9 @@ def _storage_lookup(metadata: Metadata, where: Path) -> dict[tuple[str, tuple | 
     lookup = {}
     for key, info in metadata.storage_data.items():
         if not isinstance(key, MetadataIndex) or not isinstance(info, _StorageInfo):
-            raise CorruptMetadataError(f"{where}: storage_data entry {key!r} is malformed")
-        offset = tuple(key.offset) if key.offset is not None else None
+            raise CorruptMetadataError(f"{where}: storage_data entry {describe(key)} is malformed")
+        offset = check_ints(key.offset, f"{where}: storage_data key of {key.fqn!r}: offset") \
+            if key.offset is not None else None
         lookup[(key.fqn, offset or None)] = info
     return lookup
 
@@ -314,15 +341,20 @@ def _tensor_item(fqn: str, item: TensorStorageMetadata, lookup: dict, root: Path
                  transformed: dict) -> tuple[Any, tuple[int, ...], list[Chunk]]:
     props = item.properties
     spelling = getattr(props, "dtype", None)
-    dtype = dtypes.dtype(spelling) if spelling is not None else None
-    if dtype is None:
+    if spelling is None:
         raise CorruptMetadataError(f"{where}: tensor {fqn!r} has no dtype")
+    dtype = dtypes.dtype(dtype_spelling(props, f"{where}: tensor {fqn!r}"))
+    shape = check_shape(item.size, dtype.itemsize, f"{where}: tensor {fqn!r}")
     chunks = []
-    for chunk in item.chunks:
-        offsets, sizes = tuple(int(o) for o in chunk.offsets), tuple(int(s) for s in chunk.sizes)
+    for i, chunk in enumerate(item.chunks):
+        with schema_errors(f"{where}: tensor {fqn!r}: chunk {i}"):
+            offsets, sizes = tuple(int(o) for o in chunk.offsets), tuple(int(s) for s in chunk.sizes)
+        if len(offsets) != len(shape) or len(sizes) != len(shape) or min(sizes, default=0) < 0:
+            raise CorruptMetadataError(f"{where}: tensor {fqn!r}: chunk {i} offsets {list(offsets)} sizes "
+                                       f"{list(sizes)} are not a box of a {len(shape)}-d tensor")
         file, offset, length = _checked_item(fqn, _find_info(lookup, fqn, offsets, where), root, where, transformed)
         chunks.append(Chunk(Box(offsets, sizes), file=file, key=f"{offset}:{length}"))
-    return dtype, tuple(int(n) for n in item.size), chunks
+    return dtype, shape, chunks
 
 
 def _value_entry(fqn: str, lookup: dict, root: Path, where: Path, transformed: dict) -> ValueEntry:

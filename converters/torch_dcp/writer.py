@@ -5,6 +5,7 @@ or a non-tensor value), each what `torch.save(obj)` writes; values go into rank 
 PyTorch's coordinator writes them. The plan's replicas are stored once, as HyperParallel and
 PyTorch's de-dup do. Every archive's position follows from the plan, so `.metadata` (which gives
 each item's byte range) is known for every rank, also in a fan-out run that writes only some.
+`.hpckpt.json` (the world size and layout written: `converters.hpckpt_json`) comes just before it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from hpckpt.converters import hpckpt_json
 from hpckpt.converters.base import WriterOptions
 from hpckpt.converters.torch_dcp.metadata_pickle import StoredItem, dumps_torch_metadata
 from hpckpt.core.pickle_builder import loadable_values
@@ -34,6 +36,7 @@ class TorchDcpWriter:
         self._items: list[StoredItem] = []
         self._values: list[str] = []  # the values the archives hold, in plan order
         self._archives: dict[str, list[tuple[str, TorchArchive]]] = {}  # file -> (checksum id, archive)
+        self._mesh, self._placements = options.mesh, options.placements
 
     def _ranks(self, plan: Plan) -> list[int]:
         return sorted(set(plan.by_rank) | ({0} if plan.values else set()))
@@ -87,5 +90,6 @@ class TorchDcpWriter:
                    for t in plan.tensors}
         stored = {t.fqn for t in plan.tensors} | set(self._values)  # values it could not hold are not listed
         nesting = {k: v for k, v in plan.nesting.items() if k in stored}
-        metadata = dumps_torch_metadata(tensors, self._values, self._items, nesting or None)
-        return Finished(tuple(patches), ((METADATA_NAME, metadata),))
+        metadata = ((METADATA_NAME, dumps_torch_metadata(tensors, self._values, self._items, nesting or None)),)
+        record = hpckpt_json.record("torch-dcp", plan.world_size, metadata, self._mesh, self._placements)
+        return Finished(tuple(patches), (record, *metadata))  # `.metadata` last

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from hpckpt.core.errors import GeometryError
+from hpckpt.core.errors import GeometryError, HpckptError
 from hpckpt.core.layout.layout_file import read_layout_records
 from hpckpt.core.layout.mesh import Mesh
 from hpckpt.core.layout.placements import Placement, RaggedShard, Replicate, Shard, check_rule
@@ -108,10 +108,56 @@ class LayoutSpec:
         layout.validate(shape)
         return layout
 
+    def misfits(self, shapes: Mapping[str, Sequence[int]]) -> list["Misfit"]:
+        """Every split placement given by a rule or the default that some tensor it applies to
+        cannot take (a dim the tensor lacks; that mesh dim then replicates it), with how many
+        tensors it does split. 0-d tensors, always replicated, and `.layout` entries do not count.
+        """
+        found: dict[tuple[str, int], Misfit] = {}
+        for fqn, shape in shapes.items():
+            shape = tuple(shape)
+            if fqn in self.layouts or not shape or (self.fsdp and shape[0] < 1):
+                continue
+            source, placements = self._chosen(fqn)
+            for k, p in enumerate(placements):
+                if isinstance(p, Replicate):
+                    continue
+                m = found.setdefault((source, k), Misfit(str(p), source, k))
+                if _beyond(p, len(shape)):
+                    m.unfit.append(fqn)
+                else:
+                    m.fits += 1
+        return [m for m in found.values() if m.unfit]
+
+    def _chosen(self, fqn: str) -> tuple[str, tuple[Placement, ...]]:
+        """Which placements apply to `fqn`, and where they come from (a rule, or the default)."""
+        for i, (pattern, placements) in enumerate(self.rules, 1):
+            if pattern_matches(pattern, fqn):
+                return f"rule {i}", placements
+        return "default", self.default
+
     def _fit(self, placements: tuple[Placement, ...], shape: tuple[int, ...]) -> tuple[Placement, ...]:
         if not shape or (self.fsdp and shape[0] < 1):
             return (Replicate(),) * len(placements)
         return tuple(Replicate() if _beyond(p, len(shape)) else p for p in placements)
+
+
+class PlacementFitError(HpckptError, ValueError):
+    """A placement that fits none of the tensors it applies to: a usage error (exit 2), since the
+    option or rules file that gives it says nothing that can be carried out."""
+
+    exit_code = 2
+    kind = "usage"
+
+
+class Misfit:
+    """One placement (mesh dim `mesh_dim` of a rule or the default): the tensors it cannot split
+    (`unfit`) and how many it does split (`fits`)."""
+
+    def __init__(self, placement: str, source: str, mesh_dim: int):
+        self.placement, self.source, self.mesh_dim = placement, source, mesh_dim
+        self.unfit: list[str] = []
+        self.fits = 0
 
 
 def _beyond(p: Placement, ndim: int) -> bool:

@@ -1,0 +1,142 @@
+"""`.hpckpt.json`: what hpckpt's own directory writers record about the checkpoint they wrote.
+
+A rank that holds no data writes no file, so file names only give a lower bound of the world size
+(a 64-rank reshard of a small model may leave ranks 10..63 without a file). The HyperParallel and
+PyTorch DCP writers therefore add this small JSON file, written just before `.metadata` (so
+`.metadata` stays the last file, the one that marks the checkpoint complete):
+
+    {"hpckpt": 1, "written_by": "hpckpt 0.1.0", "format": "hyperparallel", "world_size": 64,
+     "mesh": [64], "placements": "S0", "metadata": {".metadata": {"bytes": 2154, "sha256": "..."}}}
+
+`mesh` and `placements` (the layout's text, only when one placement list applies to every
+tensor) are there when the write had a target layout. `metadata` ties the record to the metadata
+files written with it, so a directory saved into again later is not described by a stale record.
+Neither loader reads it: HyperParallel's reads `.metadata` (or `{r}.metadata`) and the files
+its `storage_data` names, PyTorch's `FileSystemReader` `.metadata` and the files it names. The
+later manifest (issue 10) is meant to absorb it.
+
+Reading: it is checkpoint input, so it is read only up to `MAX_BYTES` (a regular file, JSON of
+limited depth: `core.input_files`), its fields are type-checked, and it is used
+only when it agrees with the checkpoint (its format, the sizes of the metadata files it names,
+every rank in a file name below its world size); otherwise a warning says why and the world size
+stays the one inferred from file names. It never fails a command.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from hpckpt import __version__
+from hpckpt.core.errors import HpckptError
+from hpckpt.core.index import CheckpointIndex
+from hpckpt.core.input_files import load_json, read_small
+
+NAME = ".hpckpt.json"
+SCHEMA = 1
+MAX_BYTES = 64 << 10  # what hpckpt writes is a few hundred bytes
+MAX_WORLD_SIZE = 1 << 20  # more is no real job; layout inference splits tensors into that many parts
+
+
+def record(format_name: str, world_size: int, metadata: Sequence[tuple[str, bytes]],
+           mesh: Sequence[int] = (), placements: str = "") -> tuple[str, bytes]:
+    """The `(name, bytes)` of the record of a checkpoint whose metadata files are `metadata`;
+    the same bytes for every job of one fan-out plan."""
+    doc: dict[str, Any] = {"hpckpt": SCHEMA, "written_by": f"hpckpt {__version__}", "format": format_name,
+                           "world_size": world_size}
+    if mesh:
+        doc["mesh"] = list(mesh)
+    if placements:
+        doc["placements"] = placements
+    doc["metadata"] = {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                       for name, data in metadata}
+    return NAME, (json.dumps(doc, indent=1) + "\n").encode()
+
+
+def _read(index: CheckpointIndex) -> dict:
+    """The parsed record. Raises HpckptError (too big, not a file, not JSON) or ValueError (not a record)."""
+    path = index.root / NAME
+    doc = load_json(read_small(path, "record of hpckpt's writer", MAX_BYTES), str(path))
+    if not isinstance(doc, dict) or not _positive_int(doc.get("hpckpt")):
+        raise ValueError("not an hpckpt record")
+    if not _positive_int(doc.get("world_size")) or doc["world_size"] > MAX_WORLD_SIZE:
+        raise ValueError(f"world_size {doc.get('world_size')!r} is not an integer from 1 to {MAX_WORLD_SIZE}")
+    files = doc.get("metadata")
+    if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
+        raise ValueError("its 'metadata' is not a map of file names to sizes")
+    return doc
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _disagreement(doc: dict, index: CheckpointIndex, inferred: int | None) -> str | None:
+    """Why the record does not describe this checkpoint, or None when it does."""
+    if doc.get("format") != index.format:
+        return f"it describes a {doc.get('format')!r} checkpoint, this one is {index.format!r}"
+    if inferred is not None and inferred > doc["world_size"]:
+        return f"it says world size {doc['world_size']}, but a file name names rank {inferred - 1}"
+    named = set(doc["metadata"])
+    present = set(index.metadata_files) - {NAME}
+    if named != present:
+        return f"it names metadata files {sorted(named)}, the checkpoint has {sorted(present)}"
+    for name, info in doc["metadata"].items():
+        try:
+            size = os.stat(index.root / name).st_size
+        except OSError:
+            return f"{name} cannot be stat'ed"
+        if info.get("bytes") != size:
+            return f"it was written with another {name} ({info.get('bytes')!r} bytes, now {size}; saved into since?)"
+    return None
+
+
+def _problem(index: CheckpointIndex, inferred: int | None) -> tuple[dict | None, str | None]:
+    """The record and None, or None and what is wrong with it (a message naming the file)."""
+    try:
+        doc = _read(index)
+    except HpckptError as exc:
+        return None, exc.message  # names the path already
+    except ValueError as exc:
+        return None, f"{NAME}: {exc}"
+    problem = _disagreement(doc, index, inferred)
+    return doc, None if problem is None else f"{NAME}: {problem}"
+
+
+def apply(index: CheckpointIndex) -> None:
+    """Take the exact world size from the checkpoint's record when it has a sound one; list the
+    record among the metadata files (idempotent: a cached index may have it already)."""
+    path = index.root / NAME
+    if not os.path.lexists(path):
+        return
+    if NAME not in index.metadata_files:
+        index.metadata_files.append(NAME)
+    doc, problem = _problem(index, index.world_size)
+    if problem is not None:
+        index.warnings.append(f"{problem} (ignored: the world size is inferred from file names)")
+        return
+    index.world_size, index.world_size_exact = doc["world_size"], True
+
+
+def problems(index: CheckpointIndex, inferred: int | None) -> list[str]:
+    """What `verify` reports about the record (none when absent or sound): everything `apply`
+    checks, and the sha256 of each metadata file it names. `inferred` is the world size from
+    file names (a record cannot be checked against its own world size)."""
+    if not os.path.lexists(index.root / NAME):
+        return []
+    doc, problem = _problem(index, inferred)
+    if problem is None:
+        for name, info in doc["metadata"].items():
+            try:
+                with open(index.root / name, "rb") as f:  # a metadata file the reader has just read
+                    digest = hashlib.file_digest(f, "sha256").hexdigest()
+            except OSError as exc:
+                problem = f"{NAME}: {name} cannot be read ({exc.strerror})"
+                break
+            if info.get("sha256") != digest:
+                problem = f"{NAME}: {name} is not the one it was written with (sha256 differs)"
+                break
+    return [] if problem is None else [problem]
