@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hpckpt.api import pipeline
-from hpckpt.api.layouts import source_layout
+from hpckpt.api.layouts import check_fit, source_layout
 from hpckpt.api.options import Selection, parse_size
 from hpckpt.api.reports import WriteReport
 from hpckpt.converters import format_for_extension, format_named, open_index
@@ -86,12 +86,13 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, *, layout: 
         from hpckpt.converters.naming import mapping_json, render_mapping
 
         extra["names"] = {**mapping_json(mapping), "table": render_mapping(mapping)}
-    if dry_run:
+    if dry_run:  # the checks of a real run that need no data: the names, and the layout's fit
+        fit = check_fit(layout, view) if layout is not None and not fmt.whole_tensors else []
         would = {"tensors": len(view.tensors) + len(derived), "values": len(view.values),
                  "bytes": sum(e.nbytes for e in view.tensors.values())}
         return WriteReport(command=command, source=str(src), destination=str(dst), source_format=source.format,
                            format=fmt.name, bytes_written=0, bytes_read=0, seconds=time.perf_counter() - started,
-                           files=0, dry_run=True, would_write=would, **extra)
+                           files=0, dry_run=True, would_write=would, warnings=(*view.warnings, *fit), **extra)
     if derived:
         from hpckpt.converters.naming import derive_values, with_tensors
 

@@ -135,10 +135,12 @@ class FinalizeReport(Report):
     """`reshard --finalize`: the metadata of a fanned-out output is written."""
 
     destination: str
-    files: int
+    written: tuple[str, ...]  # every file of the output, now complete: data files, then metadata
+    files: int  # the data files
 
     def to_json(self) -> dict:
-        return {**envelope("reshard"), "destination": self.destination, "files": self.files, "finalized": True}
+        return {**envelope("reshard", written=self.written), "destination": self.destination, "files": self.files,
+                "finalized": True}
 
 
 @dataclass(frozen=True)

@@ -41,4 +41,5 @@ def finalize(dst: str | Path) -> FinalizeReport:
         CorruptMetadataError: the fragments come from different plans.
         MissingFileError: some rank's files are missing (the message names one).
     """
-    return FinalizeReport(str(dst), commit.finalize(Path(dst)))
+    data, metadata = commit.finalize(Path(dst))
+    return FinalizeReport(str(dst), tuple(str(Path(dst) / name) for name in (*data, *metadata)), len(data))

@@ -137,8 +137,13 @@ def human_bytes(n: int) -> str:
 
 
 def rate(report) -> str:
-    """A write's copy rate in the CLI's one unit convention (binary: GiB/s)."""
-    return f"{report['gib_per_s'] or 0:.2f} GiB/s"
+    """A write's copy rate in the CLI's one unit convention (binary: GiB/s, or MiB/s and KiB/s
+    for the small outputs whose rate would print as 0.00 GiB/s)."""
+    seconds = report["seconds"] or 0
+    per_second = report["bytes_written"] / seconds if seconds > 0 else 0
+    if per_second >= 2**30:
+        return f"{per_second / 2**30:.2f} GiB/s"
+    return f"{human_bytes(int(per_second))}/s"
 
 
 def write_table(title: str, columns: list[tuple[str, str]], rows: list[tuple[str, ...]]) -> None:

@@ -208,7 +208,7 @@ def _foreign(path: Path) -> str | None:
         names = os.listdir(path)
         if not names or FRAGMENT_DIR in names or _recognised(path):
             return None
-        return f"it holds {len(names)} entries and no checkpoint"
+        return f"it holds {len(names)} {'entry' if len(names) == 1 else 'entries'} and no checkpoint"
     if path.is_file():
         if _sidecar_owner(path) is not None:
             return None if _is_sidecar(path) else "it is not a values sidecar hpckpt wrote"
@@ -539,9 +539,9 @@ class Fragment:
             self._lock.release()
 
 
-def finalize(dest: Path) -> int:
+def finalize(dest: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Write the metadata of a fanned-out output once every data file of its plan is there, as
-    its job wrote it; return the number of data files.
+    its job wrote it; return the names of its data files and of the metadata files written.
 
     Raises:
         NotACheckpointError: `dest` holds no fan-out fragments.
@@ -561,9 +561,18 @@ def finalize(dest: Path) -> int:
         raise write_error(exc, dest) from None
 
 
-def _finalize(dest: Path) -> int:
+def _record(path: Path):
+    """A fan-out record: hpckpt wrote it, but it lies in a directory anyone may have changed."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CorruptMetadataError(f"{path}: not a fan-out record hpckpt wrote ({exc})",
+                                   hint="rerun the fan-out jobs (`hpckpt reshard ... --rank R`)") from None
+
+
+def _finalize(dest: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
     fragments = dest / FRAGMENT_DIR
-    records = [json.loads(p.read_text()) for p in sorted(fragments.glob("ranks-*.json"))] if fragments.is_dir() else []
+    records = [_record(p) for p in sorted(fragments.glob("ranks-*.json"))] if fragments.is_dir() else []
     if not records:
         raise NotACheckpointError(f"{dest}: no fan-out fragments to finalize",
                                   hint="run `hpckpt reshard ... --rank R` for every target rank first")
@@ -571,7 +580,7 @@ def _finalize(dest: Path) -> int:
     if len(digests) != 1:
         raise CorruptMetadataError(f"{dest}: fragments come from {len(digests)} different plans (different sources or options)")
     (digest,) = digests
-    plan = json.loads((fragments / f"plan-{digest[:16]}.json").read_text())
+    plan = _record(fragments / f"plan-{digest[:16]}.json")
     done = {f for r in records for f in r["files"]}
     missing = [name for name in plan["files"] if name not in done or not (dest / name).is_file()]
     if missing:
@@ -587,7 +596,7 @@ def _finalize(dest: Path) -> int:
             os.replace(tmp, target)
         fsync_path(dest)
     shutil.rmtree(fragments)
-    return len(plan["files"])
+    return tuple(plan["files"]), tuple(plan["metadata"])
 
 
 def _check_unchanged(dest: Path, records: list[dict]) -> None:

@@ -91,7 +91,7 @@ class TensorEntry:
     """
 
     __slots__ = ("fqn", "dtype", "shape", "dtype_spelling", "n_chunks", "layout_hint", "_chunks", "_build",
-                 "_build_arrays", "_build_files", "_arrays")
+                 "_build_arrays", "_build_files")
 
     def __init__(self, fqn: str, dtype: DType, shape: tuple[int, ...], chunks: list[Chunk] | None = None,
                  dtype_spelling: str = "", *, build: Callable[[], list[Chunk]] | None = None,
@@ -107,7 +107,6 @@ class TensorEntry:
         self._build_files = build_files
         self.layout_hint: str | None = None  # the inferred layout, when a snapshot already knows it
         self.n_chunks = len(chunks) if chunks is not None else int(n_chunks or 0)
-        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def chunks(self) -> list[Chunk]:
@@ -126,16 +125,11 @@ class TensorEntry:
 
     def chunk_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """`(offsets, sizes)` of the stored chunks as int64 arrays `[n_chunks, ndim]`, in chunk
-        order: what planning onto thousands of ranks works on, without an object per chunk. Kept:
-        a writing command checks them before it writes (`core.accounting`) and the engine reuses them."""
-        if self._arrays is None:
-            if self._chunks is None and self._build_arrays is not None:
-                self._arrays = self._build_arrays()
-            else:
-                ndim, chunks = len(self.shape), self.chunks
-                self._arrays = (int_rows([c.box.offsets for c in chunks], ndim),
-                                int_rows([c.box.sizes for c in chunks], ndim))
-        return self._arrays
+        order: what planning onto thousands of ranks works on, without an object per chunk."""
+        if self._chunks is None and self._build_arrays is not None:
+            return self._build_arrays()
+        ndim, chunks = len(self.shape), self.chunks
+        return int_rows([c.box.offsets for c in chunks], ndim), int_rows([c.box.sizes for c in chunks], ndim)
 
     def chunk_files(self, which: Sequence[int] | None = None) -> list[str]:
         """The file holding each stored chunk `which` (default: all, in chunk order)."""

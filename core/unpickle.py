@@ -230,6 +230,35 @@ def _stream_size(file: BinaryIO) -> int:
         return 0
 
 
+MEMO_SCAN_BYTES = 256 * 1024  # scanned in pure Python: at most ~40 ms
+
+
+def _check_memo(file: BinaryIO, nbytes: int) -> None:
+    """Refuse a memo index no honest pickle of this size uses: the C unpickler grows its memo to
+    twice the largest index it is told to store at (a 6-byte `LONG_BINPUT 10**8` asks for 1.6 GB).
+    Honest indices count the objects stored, fewer than the pickle's bytes; allowed are up to
+    8 x its bytes or 2^20 (a memo of at most 32 MiB). Pickles above MEMO_SCAN_BYTES (large
+    metadata, where a scan would cost seconds) are not scanned.
+
+    Raises:
+        UnsafePickleError: an index is larger than the pickle.
+    """
+    if not isinstance(file, io.BytesIO) or not 0 < nbytes <= MEMO_SCAN_BYTES:
+        return
+    import pickletools
+
+    limit = max(8 * nbytes, 1 << 20)
+    with file.getbuffer() as view:
+        data = bytes(view[file.tell():])
+    try:
+        for opcode, arg, _ in pickletools.genops(data):
+            if opcode.name in ("PUT", "BINPUT", "LONG_BINPUT") and int(arg) > limit:
+                raise UnsafePickleError(f"refusing a memo index of {int(arg):,} in a pickle of {nbytes:,} bytes "
+                                        "(it would make the unpickler allocate a memo that large)")
+    except (ValueError, EOFError, UnicodeDecodeError):
+        return  # malformed: the load itself says how
+
+
 def _load_on_big_stack(load: Callable[[], Any], nbytes: int) -> Any:
     """`load()` in a thread whose stack fits `nbytes` levels of tuple nesting (see DIRECT_BYTES)."""
     if 0 < nbytes <= DIRECT_BYTES:
@@ -280,11 +309,13 @@ class SafeUnpickler(pickle.Unpickler):
 
     def __init__(self, file: BinaryIO, *, resolver: Resolver = safe_global, kind: str = VALUE):
         super().__init__(file)
+        self._file = file
         self._resolver = resolver
         self._kind = kind
         self._nbytes = _stream_size(file)
 
     def load(self) -> Any:
+        _check_memo(self._file, self._nbytes)
         result = _load_on_big_stack(super().load, self._nbytes)
         if self._kind == VALUE:
             check_value(result, self._nbytes)

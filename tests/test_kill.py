@@ -196,6 +196,56 @@ def test_kill_9_while_replacing_leaves_the_old_output_or_the_new(name, scratch):
           "moved aside (put back by the next run)")
 
 
+# -- fan-out: jobs writing their own ranks into one directory, then --finalize ----------------
+
+FAN_OUT = [["reshard", str(SRC), "-o", "{out}", "-w", "4", "--rank", "0-1", "--jobs", "1"],
+           ["reshard", str(SRC), "-o", "{out}", "-w", "4", "--rank", "2-3", "--jobs", "1"],
+           ["reshard", "--finalize", "{out}"]]
+
+
+def test_kill_9_anywhere_in_a_fan_out_never_leaves_a_checkpoint_that_verifies_too_early(scratch):
+    """Each step of a fan-out (two shares, then --finalize) killed at seeded points: before the
+    finalize has written the metadata nothing verifies; rerunning the killed step and the rest
+    gives the one-process reshard's bytes and nothing else."""
+    import shutil
+
+    root = scratch / "fan-out"
+    (root / "ref").mkdir(parents=True)
+    assert kh.run(["reshard", str(SRC), "-o", str(root / "ref" / "out"), "-w", "4", "--jobs", "1"])[0] == 0
+    expected = tree(root / "ref")
+    before = root / "before-0"  # the state each step starts from
+    before.mkdir()
+    outcomes = []
+    for step, template in enumerate(FAN_OUT):
+        probe = root / f"probe-{step}"
+        shutil.copytree(before, probe, symlinks=True)
+        step_argv = [a.format(out=probe / "out") for a in template]
+        code, total = kh.run(step_argv)
+        assert code == 0 and total, (step, code)
+        points = kill_points(f"fan-out-{step}", total)[:7]
+        folders = [root / f"step{step}-kill-{n}" for n in points]
+        for folder in folders:
+            shutil.copytree(before, folder, symlinks=True)
+        argvs = [[a.format(out=f / "out") for a in template] for f in folders]
+        killed = in_pairs([(a, kh.Actions(kill_at=kh.Point(n))) for a, n in zip(argvs, points)])
+        for n, folder, (code, _) in zip(points, folders, killed):
+            assert code == -signal.SIGKILL, f"step {step}, call {n} of {total}: exit {code}, not killed"
+            done = step == len(FAN_OUT) - 1 and verifies(folder / "out")
+            if not done:
+                assert not verifies(folder / "out"), f"step {step}, call {n}: verifies before --finalize ended"
+            outcomes.append("complete" if done else "refused")
+        # the killed step again (a finalize that got its metadata out has nothing left to do), then the rest
+        for folder in folders:
+            for later, rest in enumerate(FAN_OUT[step:], start=step):
+                args = [a.format(out=folder / "out") for a in rest]
+                code = kh.run(args)[0]
+                finished_already = later == len(FAN_OUT) - 1 and code == 4 and verifies(folder / "out")
+                assert code == 0 or finished_already, (step, folder.name, later, code)
+            assert tree(folder) == expected, (step, folder.name, sorted(set(tree(folder)) ^ set(expected)))
+        before = probe
+    print(f"fan-out: {len(outcomes)} kills, {outcomes.count('complete')} after the metadata was written")
+
+
 # -- signals ------------------------------------------------------------------------------
 
 

@@ -98,6 +98,7 @@ VALUE_PICKLES = {
     "codec-rot13": PROTO + reduce("_codecs", "encode", _str("abc"), _str("rot13")) + b".",
     "codec-unknown": PROTO + reduce("_codecs", "encode", _str("abc"), _str("no-such-codec")) + b".",
     "bytearray-codec": PROTO + reduce("builtins", "bytearray", _str("abc"), _str("hex")) + b".",
+    "memo-index": PROTO + b"Nr" + (10**8).to_bytes(4, "little") + b".",  # 9 bytes asking for a 1.6 GB memo
 }
 
 
@@ -537,7 +538,7 @@ def test_errors_name_the_problem(cli_results):
     expected = {
         ("value-range-bomb", "verify"): "range=", ("value-shared-bomb", "verify"): "objects=",
         ("value-deep-tuple-key", "verify"): "depth=", ("value-numpy-ndarray", "reshard"): "alloc=",
-        ("value-codec-unknown", "verify"): "no-such-codec",
+        ("value-codec-unknown", "verify"): "no-such-codec", ("value-memo-index", "reshard"): "memo index",
         ("hp-state-dict-none", "inspect"): "state_dict_metadata", ("hp-size-negative", "inspect"): "size",
         ("hp-storage-not-info", "inspect"): "storage_data", ("hp-info-without-path", "inspect"): "relative_path",
         ("hp-chunk-without-sizes", "reshard"): "'sizes'", ("hp-offsets-none", "verify"): "offsets",
