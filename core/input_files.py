@@ -31,6 +31,7 @@ the others are fixed by what the format allows or what hpckpt itself writes.
 from __future__ import annotations
 
 import json
+import io
 import os
 import stat
 from pathlib import Path
@@ -129,13 +130,15 @@ def read_small(path: Path, what: str, limit: int, error: type[HpckptError] | Non
         if size > limit:
             raise error(f"{path}: {size} bytes, larger than any plausible {what} (limit {limit} bytes)",
                         hint="raise HPCKPT_MAX_METADATA_BYTES if it is real" if limit == metadata_limit() else None)
-        chunks, total = [], 0
-        while block := os.read(fd, min(16 << 20, limit + 1 - total)):  # to the end: it may have grown
-            chunks.append(block)
-            total += len(block)
-            if total > limit:
+        # One buffer of the size fstat gave (no list of blocks joined: that held the metadata twice,
+        # +31 MiB at 1,024 ranks), then whatever it grew by meanwhile, up to the limit.
+        raw = io.FileIO(fd, "rb", closefd=False)
+        data = raw.read(size + 1)
+        while more := raw.read(limit + 1 - len(data)):  # short reads (over 2 GiB), or it grew
+            data += more
+            if len(data) > limit:
                 raise error(f"{path}: grew past the {limit}-byte limit of a {what} while being read")
-        return b"".join(chunks)
+        return data
     except OSError as exc:
         raise MissingFileError(f"{path}: cannot be read ({exc.strerror})") from None
     finally:

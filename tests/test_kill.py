@@ -57,12 +57,14 @@ COMMANDS = {
     "convert-mindspore-ckpt": (["convert", "--to", "mindspore-ckpt"], "model.ckpt"),
     "convert-safetensors": (["convert", "--to", "safetensors"], "model.safetensors"),
     "convert-torch-save": (["convert", "--to", "torch-save"], "model.pt"),
+    "convert-ms-torch": (["convert-ms-torch", "--to-format", "mindspore-ckpt"], "model.ckpt"),
 }
 
 
 def argv(name: str, dst: Path, *extra: str, src: Path = SRC) -> list[str]:
     command, _ = COMMANDS[name]
-    return [command[0], str(src), "-o", str(dst), *command[1:], "--jobs", "1", *extra]
+    jobs = [] if command[0] == "convert-ms-torch" else ["--jobs", "1"]  # (it has no --jobs)
+    return [command[0], str(src), "-o", str(dst), *command[1:], *jobs, *extra]
 
 
 def tree(root: Path) -> dict[str, bytes | None]:
