@@ -11,9 +11,11 @@ from hpckpt.api.reports import WriteReport
 from hpckpt.converters import format_named, open_index
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.layout import LayoutSpec
+from hpckpt.core.lock import holds_source
 from hpckpt.core.write import WriteSettings
 
 
+@holds_source
 def consolidate(src: str | Path, out: str | Path, fmt: str = "safetensors", *, select: Selection = Selection(),
                 dtype: str | None = None, max_shard_size: str | int = "5GB", framework: str | None = None,
                 settings: WriteSettings = WriteSettings(), index: CheckpointIndex | None = None,

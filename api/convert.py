@@ -20,6 +20,7 @@ from hpckpt.converters import format_for_extension, format_named, open_index
 from hpckpt.core.errors import UnknownFormatError
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.layout import LayoutSpec
+from hpckpt.core.lock import holds_source
 from hpckpt.core.view import renamed_view
 from hpckpt.core.write import WriteSettings
 
@@ -64,6 +65,7 @@ def target_format(to: str | None, dst: str | Path):
     return found
 
 
+@holds_source
 def convert(src: str | Path, dst: str | Path, to: str | None = None, *, layout: LayoutSpec | None = None,
             framework: str | None = None, dtype: str | None = None, select: Selection = Selection(),
             rules: Any = None, max_shard_size: str | int = "5GB", crc: bool = False,

@@ -32,7 +32,7 @@ def _file_sizes(index: CheckpointIndex) -> tuple[dict, ...]:
     for name in index.metadata_files + index.data_files:
         try:
             size = os.stat(index.root / name).st_size
-        except OSError:
+        except (OSError, ValueError):  # missing, or no possible file name (a NUL byte): verify says which
             size = None
         out.append({"path": name, "bytes": size})
     return tuple(out)

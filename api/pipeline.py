@@ -104,11 +104,23 @@ def _refuse_or_skip(source: CheckpointIndex, target: Target, names: Iterable[str
     return [n for n in everything if n not in left_out], tuple(refused)
 
 
-def _source_root(src: str | Path) -> Path:
-    """What the destination must not overlap: the checkpoint read, a directory for `DIR/.metadata`
-    as `converters.open_index` reads it."""
+def _source_root(src: str | Path, source: CheckpointIndex | None = None) -> Path:
+    """What the destination must not overlap: the checkpoint read; its directory for a file of a
+    directory checkpoint given as the source (`DIR/.metadata` as `converters.open_index` reads it,
+    `DIR/model.safetensors.index.json`, `DIR/pytorch_model.bin.index.json`: one of its metadata
+    files), since writing over a shard next to it would change the checkpoint being read."""
     path = Path(src)
-    return path.parent if path.is_file() and path.name.endswith("metadata") else path
+    if not path.is_file():
+        return path
+    if path.name.endswith("metadata"):
+        return path.parent
+    if source is not None and path.name in source.metadata_files:
+        try:
+            if source.root.is_dir() and path.parent.samefile(source.root):
+                return path.parent
+        except OSError:
+            pass
+    return path
 
 
 def write(command: str, src: str | Path, dst: str | Path, source: CheckpointIndex, target: Target,
@@ -143,7 +155,7 @@ def write(command: str, src: str | Path, dst: str | Path, source: CheckpointInde
         check_source_chunks(plan, source)
         result = write_plan(plan, source, writer, dst, settings, file_output=target.format.destination == "file",
                             fan_out=target.ranks is not None, read_back=target.format.reader.read_index,
-                            source_path=_source_root(src))
+                            source_path=_source_root(src, source))
         written, read, files, ranks = result.bytes_written, result.bytes_read, result.files, result.ranks
         base = dst.parent if target.format.destination == "file" else dst
         paths = tuple(str(base / name) for name in result.names)

@@ -13,9 +13,11 @@ from hpckpt.converters import format_named, open_index
 from hpckpt.core import commit
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.layout import LayoutSpec
+from hpckpt.core.lock import holds_source
 from hpckpt.core.write import WriteSettings
 
 
+@holds_source
 def reshard(src: str | Path, dst: str | Path, layout: LayoutSpec, *, select: Selection = Selection(),
             ranks: Iterable[int] | None = None, framework: str | None = None, dtype: str | None = None,
             settings: WriteSettings = WriteSettings(), dry_run: bool = False,

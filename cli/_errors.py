@@ -60,12 +60,28 @@ class UsageErrors:
         raise typer.Exit(2) from None
 
 
+def check_settings() -> None:
+    """The environment's settings parse, before any work: a wrong one is a usage error of the
+    whole command (exit 2), not a finding about each value it would have applied to."""
+    import os
+
+    if "HPCKPT_PICKLE_BUDGET" in os.environ:
+        from hpckpt.core.pickle_budget import current_budget
+
+        current_budget()
+    if "HPCKPT_MAX_METADATA_BYTES" in os.environ:
+        from hpckpt.core.input_files import metadata_limit
+
+        metadata_limit()
+
+
 def handles_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a command so every failure exits with its documented code and one clear line."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
+            check_settings()
             return command(*args, **kwargs)
         except (typer.Exit, typer.Abort, typer.TyperException):
             raise  # typer's own: exits, aborts and usage errors (exit 2)

@@ -259,7 +259,9 @@ class TerminalProgress:
         if self._started() is None:
             return
         self._end_phase()
-        text = printable(text)
+        from rich.markup import escape
+
+        text = escape(printable(text))  # the column renders markup: `[red]` in a path stays text
         self._phase = self._progress.add_task(text + "…", total=None, phase=True), text
 
     def start(self, total: int) -> None:

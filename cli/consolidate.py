@@ -44,7 +44,9 @@ def consolidate(
     from hpckpt import api
     from hpckpt.cli import _output, _targets
 
-    with _output.TerminalProgress("consolidate") as progress:
+    from hpckpt.core.lock import reading
+
+    with _output.TerminalProgress("consolidate") as progress, reading(src):  # before its metadata is read
         try:
             target = _targets.output_format(fmt, out, "--format", default="safetensors")
             api.parse_size(max_shard_size)

@@ -52,7 +52,9 @@ def convert_ms_torch(
 
     if to_format is not None:
         _targets.output_format(to_format, out, "--to-format")  # refuses one the extension contradicts
-    with _output.TerminalProgress("convert-ms-torch") as progress:
+    from hpckpt.core.lock import reading
+
+    with _output.TerminalProgress("convert-ms-torch") as progress, reading(src):  # before its metadata is read
         index = _targets.open_source(src, progress)  # once: the plan and the conversion share it
         target = api.ms_torch_target(src, out, to=to, to_format=to_format, index=index)
         direction = "ms-to-torch" if target["to"] == "torch" else "torch-to-ms"

@@ -58,7 +58,7 @@ def render(doc: dict) -> None:
     summary = Table.grid(padding=(0, 2))
     summary.add_column(style="bold")
     summary.add_row("Checkpoint", Text(printable(doc["path"])))
-    summary.add_row("Format", f"{doc['format']} {doc['format_version']}{framework}")
+    summary.add_row("Format", Text(printable(f"{doc['format']} {doc['format_version']}{framework}")))
     summary.add_row("World size", _world_size(world, doc.get("world_size_exact", False)))
     summary.add_row("Files", f"{len(doc['files'])} ({n_meta} metadata, {len(doc['files']) - n_meta} data), {human_bytes(doc['total_bytes'])}")
     summary.add_row("Tensors", f"{counts['tensors']} in {counts['chunks']} chunks, {human_bytes(counts['tensor_bytes'])}")

@@ -65,7 +65,9 @@ def reshard(
     else:
         if src is None or out is None:
             raise typer.BadParameter("give SRC and -o DST")
-        with _output.TerminalProgress("reshard") as progress:
+        from hpckpt.core.lock import reading
+
+        with _output.TerminalProgress("reshard") as progress, reading(src):  # before its metadata is read
             try:
                 ranks = _output.parse_ranks(rank)
                 settings = _targets.settings(jobs, max_memory, no_fsync, force, progress, parents)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,12 @@ ZIP_MAGIC = b"PK\x03\x04"
 class DataFileLocator:
     """`Locator` for checkpoints whose tensors are keys of per-rank data files under `root`."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, value_replicas: Iterable[ValueEntry] = ()):
         self.root = root
+        # values an index holds once but more files store (each rank's copy): checked by file_problems
+        self._replicas: dict[str, list[ValueEntry]] = {}
+        for entry in value_replicas:
+            self._replicas.setdefault(entry.file, []).append(entry)
         self._tensor_tables: dict[str, dict[str, Location]] = {}
         self._headers: dict[str, safetensors_io.SafetensorsHeader] = {}
         self._sidecars: dict[str, dict] = {}
@@ -92,7 +97,14 @@ class DataFileLocator:
         """Structural problems of a tensor file (empty when sound); parsed once, shared with locate."""
         path = self.path(relative)
         if not relative.endswith(".safetensors"):
-            return []  # `.bytes` files have no structure of their own; values are checked one by one
+            # `.bytes` files have no structure of their own; values are checked one by one, and the
+            # other ranks' copies of a value (which no index entry reads) by their byte ranges here
+            replicas = self._replicas.get(relative)
+            if not replicas:
+                return []
+            size = os.stat(path).st_size
+            return [f"value {v.fqn!r} (this rank's copy) needs bytes [{v.offset}, {v.offset + v.length}) of this "
+                    f"{size}-byte file: truncated?" for v in replicas if v.offset + v.length > size]
         with open_data_file(path) as f:
             if f.read(4) == ZIP_MAGIC:
                 self.tensor_table(relative)  # raises CorruptDataError for a broken archive

@@ -15,10 +15,21 @@ from pathlib import Path
 from typing import Any
 
 from hpckpt.converters.hf_sharded import read_weight_map
-from hpckpt.converters.torch_save_file import TorchSaveLocator, TorchSaveReader, flatten_record
+from hpckpt.converters.torch_save_file import (
+    TorchSaveLocator,
+    TorchSaveReader,
+    flatten_record,
+    head_of,
+    truncated_zip_head,
+)
 from hpckpt.core import input_files, torch_zip
 from hpckpt.core.box import full_box
-from hpckpt.core.errors import CorruptMetadataError, MissingFileError, UnknownFormatError
+from hpckpt.core.errors import (
+    CorruptDataError,
+    CorruptMetadataError,
+    MissingFileError,
+    UnknownFormatError,
+)
 from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry
 from hpckpt.core.paths import resolve_inside
 
@@ -74,6 +85,9 @@ class HfTorchBinReader:
             if not shard.exists():
                 raise MissingFileError(f"{name}: shard named by the index is missing from {root}")
             input_files.check_regular(shard, "pytorch_model.bin shard")  # a FIFO or directory: exit 8
+            problem = "empty file" if shard.stat().st_size == 0 else truncated_zip_head(head_of(shard))
+            if problem is not None:
+                raise CorruptDataError(f"{shard}: {problem}: a pytorch_model.bin shard cut short?")
             if not TorchSaveReader().sniff(shard):
                 raise CorruptMetadataError(f"{shard}: not a torch.save file (a pytorch_model.bin shard must be one)")
             TorchSaveReader.refuse_legacy(shard, "a pytorch_model.bin shard")

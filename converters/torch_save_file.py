@@ -33,6 +33,7 @@ from hpckpt.core.pickle_builder import loadable_values
 from hpckpt.core.torch_records import is_tensor_record
 
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"  # pickle of torch's legacy magic number
+_EXTENSIONS = (".pt", ".pth", ".bin")  # the torch-save format's (converters.FORMATS)
 
 
 class TorchSaveLocator:
@@ -97,13 +98,34 @@ def flatten_record(path: Path, tree: Any) -> tuple[dict[str, torch_zip.TensorRec
     return records, values
 
 
-def _first_member_name(path: Path) -> bytes:
+_HEAD_BYTES = 30 + 1024  # a local header and the first member's name (`archive/data.pkl`, `{stem}/data.pkl`)
+
+
+def head_of(path: Path) -> bytes:
     with input_files.open_file(path, "torch.save file") as f:
-        head = f.read(30 + 256)
+        return f.read(_HEAD_BYTES)
+
+
+def _first_member_name(head: bytes) -> bytes:
     if len(head) < 30 or head[:4] != torch_zip.ZIP_MAGIC:
         return b""
     name_length = int.from_bytes(head[26:28], "little")
     return head[30 : 30 + name_length]
+
+
+def truncated_zip_head(head: bytes) -> str | None:
+    """What is wrong with a file cut inside its first zip record (a non-empty prefix of the
+    zip magic, or the magic with a local header or member name that ends early), else None:
+    a torch.save file truncated there has no member name left to recognise it by."""
+    magic = torch_zip.ZIP_MAGIC
+    if not head or not (magic.startswith(head) or head.startswith(magic)):
+        return None
+    if len(head) < 30:
+        return f"truncated zip file ({len(head)} bytes; a zip local header has 30)"
+    name_length = int.from_bytes(head[26:28], "little")
+    if len(head) < min(30 + name_length, _HEAD_BYTES):
+        return f"truncated zip file ({len(head)} bytes; its first member name ends at byte {30 + name_length})"
+    return None
 
 
 class TorchSaveReader:
@@ -113,12 +135,13 @@ class TorchSaveReader:
         if not path.is_file():
             return False
         try:
-            if _first_member_name(path).endswith(b"data.pkl"):
-                return True
-            with input_files.open_file(path, "torch.save file") as f:
-                return f.read(len(_LEGACY_MAGIC)) == _LEGACY_MAGIC
+            head = head_of(path)
         except (OSError, HpckptError):
             return False
+        if _first_member_name(head).endswith(b"data.pkl") or head.startswith(_LEGACY_MAGIC):
+            return True
+        # cut inside its first zip record: by its name a torch.save file, truncated (read_index says so)
+        return path.suffix.lower() in _EXTENSIONS and truncated_zip_head(head) is not None
 
     @staticmethod
     def refuse_legacy(path: Path, what: str = "a torch.save file") -> None:
@@ -131,6 +154,9 @@ class TorchSaveReader:
                 )
 
     def read_index(self, path: Path) -> CheckpointIndex:
+        problem = truncated_zip_head(head_of(path))
+        if problem is not None:
+            raise CorruptDataError(f"{path}: {problem}: a torch.save file cut short?")
         self.refuse_legacy(path)
         records, values = flatten_record(path, torch_zip.load_record(path))
         tensors = {

@@ -3,9 +3,12 @@
 One strategy for every writing command, directory or single file:
 
 1. `Staging(dest, source=..., force=...)` refuses a destination that is, lies in or holds the
-   source; an existing one unless `force`, and with `force` anything hpckpt does not recognise as
-   a checkpoint or output of its own (or an empty directory); missing parents unless `parents`.
-   It takes the destination's lock (`core.lock`: a second run stops at once), removes what
+   source, or is (or lies in) a staging name; an existing one unless `force`, and with `force`
+   anything hpckpt does not recognise as a checkpoint or output of its own (or an empty
+   directory), and a checkpoint directory holding entries that are neither its files nor
+   hpckpt's (`_unaccounted`); missing parents unless `parents`.
+   It takes the destination's lock (`core.lock`: a second run stops at once; replacing an
+   existing destination, also an exclusive lock on it: a run reading it stops this one), removes what
    killed runs left for this destination (their pid is gone), checks the free space and creates
    `.NAME.hpckpt-tmp-PID/` next to `dest`.
 2. The engine writes the data files into it and makes them durable; then `write_metadata` adds
@@ -31,7 +34,7 @@ moved aside, with nothing in its place yet, is put back). With `sync=False`
 against a power failure.
 
 Fan-out (`Fragment`): many jobs write the files of their own ranks straight into one shared
-destination directory (each file staged and renamed; the jobs share the lock); each records what
+destination directory (new, empty, or one jobs of the fan-out began: `refuse_not_fan_out`) (each file staged and renamed; the jobs share the lock); each records what
 it wrote (with each file's size and mtime) and the metadata it would write under `.hpckpt-fanout/`;
 `finalize` takes the lock alone, checks that every file of the plan is there unchanged and writes
 the metadata.
@@ -60,7 +63,7 @@ from hpckpt.core.errors import (
     UnsafeDestinationError,
 )
 from hpckpt.core.interrupts import critical
-from hpckpt.core.lock import LOCK_SUFFIX, DestinationLock, holder
+from hpckpt.core.lock import LOCK_SUFFIX, DestinationLock, ReplaceLock, holder
 
 TMP_MARK = ".hpckpt-tmp-"
 FRAGMENT_DIR = ".hpckpt-fanout"
@@ -161,6 +164,44 @@ def refuse_unsafe(dest: Path, source: Path | None) -> None:
                                      "checkpoint being read", hint=hint)
 
 
+def refuse_staging_name(dest: Path) -> None:
+    """A destination that is (or lies in) an hpckpt staging name is refused: `verify` would never
+    accept it and the next run for its destination would remove it.
+
+    Raises:
+        UnsafeDestinationError: it is.
+    """
+    staging = staging_directory(Path(dest).absolute())
+    if staging is not None:
+        where = "is" if staging == Path(dest).absolute() else f"lies in {staging}, which is"
+        raise UnsafeDestinationError(f"{dest} {where} an hpckpt staging name (`.NAME{TMP_MARK}PID`): what is written "
+                                     "there is never read as a checkpoint and is removed by a later run",
+                                     hint="choose a name without `.hpckpt-tmp-`")
+
+
+def refuse_not_fan_out(dest: Path) -> None:
+    """Fan-out jobs write into a new or empty directory, or one their own jobs began (it holds
+    `.hpckpt-fanout/`); never into any other existing file or directory, whose files a job's
+    would replace.
+
+    Raises:
+        DestinationExistsError: it is something else.
+    """
+    if not os.path.lexists(dest):
+        return
+    hint = ("fan-out jobs write into a new or empty directory, or one that jobs of the same reshard began: "
+            "choose another destination, or remove it yourself")
+    if not dest.is_dir():
+        raise DestinationExistsError(f"{dest} exists and is not a directory", hint=hint)
+    names = os.listdir(dest)
+    if names and FRAGMENT_DIR not in names and _recognised(dest):
+        raise DestinationExistsError(f"{dest} is already a finished checkpoint", hint=hint)
+    if names and FRAGMENT_DIR not in names:
+        raise DestinationExistsError(f"{dest} exists and is not a fan-out in progress (it holds {len(names)} "
+                                     f"{'entry' if len(names) == 1 else 'entries'} and no {FRAGMENT_DIR}/)",
+                                     hint=hint)
+
+
 def refuse_existing(dest: Path, force: bool, file_output: bool = False) -> None:
     """Every writing command leaves an existing destination alone unless told to replace it, and
     with `force` replaces only what hpckpt recognises (`_foreign`).
@@ -206,15 +247,54 @@ def _foreign(path: Path) -> str | None:
         return None
     if path.is_dir():
         names = os.listdir(path)
-        if not names or FRAGMENT_DIR in names or _recognised(path):
+        if not names or FRAGMENT_DIR in names:
             return None
-        return f"it holds {len(names)} {'entry' if len(names) == 1 else 'entries'} and no checkpoint"
+        if not _recognised(path):
+            return f"it holds {len(names)} {'entry' if len(names) == 1 else 'entries'} and no checkpoint"
+        return _unaccounted(path, names)
     if path.is_file():
         if _sidecar_owner(path) is not None:
             return None if _is_sidecar(path) else "it is not a values sidecar hpckpt wrote"
         return None if _recognised(path) else (f"it is a file of {path.stat().st_size} bytes and no checkpoint "
                                                "hpckpt recognises")
     return "it is neither a regular file nor a directory"
+
+
+def _unaccounted(path: Path, names: list[str]) -> str | None:
+    """Why the checkpoint directory `path` may not be replaced whole, or None: its metadata cannot
+    be read, or it holds entries (`names`, its top level) that are neither the files its
+    metadata refers to nor hpckpt's own (`.hpckpt.json`, locks, staging names, sidecars)."""
+    from hpckpt.converters import open_index  # converters import this module
+
+    try:
+        index = open_index(path)
+    except (HpckptError, OSError) as exc:
+        return f"its metadata cannot be read ({getattr(exc, 'message', exc)}), so what it holds is unknown"
+    own = {Path(name).parts[0] for name in (*index.data_files, *index.metadata_files) if Path(name).parts}
+    strays = sorted(name for name in names if name not in own and not _hpckpt_own(path, name, own, index.format))
+    if not strays:
+        return None
+    shown = ", ".join(strays[:3]) + (f" and {len(strays) - 3} more" if len(strays) > 3 else "")
+    return f"{shown} {'is' if len(strays) == 1 else 'are'} not part of its checkpoint"
+
+
+def _hpckpt_own(directory: Path, name: str, listed: set[str], fmt: str) -> bool:
+    """A top-level entry of a checkpoint directory that hpckpt itself writes or leaves there."""
+    from hpckpt.converters import hpckpt_json, index_cache
+    from hpckpt.converters.hf_sharded import SIDECAR_NAME
+    from hpckpt.converters.values_sidecar import owner_of
+
+    if name in (hpckpt_json.NAME, FRAGMENT_DIR) or _STAGING_NAME.match(name):
+        return True
+    if name.startswith(".") and name.endswith(LOCK_SUFFIX):
+        return True
+    if owner_of(name) in listed or (name == SIDECAR_NAME and fmt.startswith("hf-")):  # values sidecars
+        return True
+    cache = index_cache.cache_dir()  # the index cache, when HPCKPT_CACHE_DIR puts it there
+    try:
+        return cache is not None and Path(os.path.realpath(cache)).is_relative_to(os.path.realpath(directory / name))
+    except OSError:
+        return False
 
 
 def _recognised(path: Path) -> bool:
@@ -368,18 +448,24 @@ class Staging:
         self.path = self.dest.parent / f".{self.dest.name}{TMP_MARK}{os.getpid()}"
         self.trash = self.dest.parent / f".{self.dest.name}{TMP_MARK}old-{os.getpid()}"
         self._done = False
+        refuse_staging_name(self.dest)
         refuse_unsafe(self.dest, source)
         refuse_existing(self.dest, force, file_output)
         ensure_parent(self.dest, parents)
         self._lock = DestinationLock(self.dest).acquire()
+        self._replacing: ReplaceLock | None = None
         try:
             remove_stale_staging(self.dest, file_output)
             refuse_existing(self.dest, force, file_output)  # an old output put back counts
+            if os.path.lexists(self.dest):  # (`force`): no run may be reading it while it is replaced
+                self._replacing = ReplaceLock(self.dest)
             if file_output:
                 _refuse_existing_sidecars(self.dest, [], force)
             check_space(self.dest, needed)
             self.path.mkdir()
         except BaseException:
+            if self._replacing is not None:
+                self._replacing.release()
             self._lock.release()
             raise
 
@@ -439,6 +525,8 @@ class Staging:
             if os.path.lexists(self.trash):
                 _remove(self.trash)
         finally:
+            if self._replacing is not None:  # the old output is gone (or back in place)
+                self._replacing.release()
             self._lock.release()
 
 
@@ -476,10 +564,13 @@ class Fragment:
         self.sync = sync
         self.fragments = self.dest / FRAGMENT_DIR
         self.path = self.dest / f"{TMP_MARK}{os.getpid()}"
+        refuse_staging_name(self.dest)
         refuse_unsafe(self.dest, source)
+        refuse_not_fan_out(self.dest)
         ensure_parent(self.dest, parents)
         self._lock = DestinationLock(self.dest, shared=True).acquire()
         try:
+            refuse_not_fan_out(self.dest)  # again under the lock: a run replacing it may have finished
             self._made = [p for p in (self.dest, self.fragments) if not p.exists()]  # removed again if this job fails
             self.fragments.mkdir(parents=True, exist_ok=True)
             remove_stale_temporaries(self.dest)
@@ -587,12 +678,19 @@ def _finalize(dest: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
         raise MissingFileError(f"{dest}: {len(missing)} file(s) not written yet, e.g. {missing[0]}",
                                hint="run the missing target ranks with --rank, then finalize again")
     _check_unchanged(dest, records)
-    with critical():
+    staged = []  # written (and fsynced) under temporary names first: that can take a while
+    try:
         for name in plan["metadata"]:
-            target = dest / name
             tmp = dest / f"{TMP_MARK}{os.getpid()}-{name}"
             tmp.unlink(missing_ok=True)
+            staged.append((tmp, dest / name))
             write_file(tmp, (fragments / f"plan-{digest[:16]}{name}").read_bytes())
+    except BaseException:  # an error or a signal: no metadata in place, no temporary left
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        raise
+    with critical():  # only the renames: a signal waits for them, never for the writes
+        for tmp, target in staged:
             os.replace(tmp, target)
         fsync_path(dest)
     shutil.rmtree(fragments)

@@ -59,9 +59,19 @@ _STEP[[ord("["), ord("{")]], _STEP[[ord("]"), ord("}")]] = 1, -1
 
 
 def metadata_limit() -> int:
-    """`MAX_METADATA_BYTES`, or `HPCKPT_MAX_METADATA_BYTES` when set to a number."""
-    raw = os.environ.get("HPCKPT_MAX_METADATA_BYTES", "")
-    return int(raw) if raw.isdigit() else MAX_METADATA_BYTES
+    """`MAX_METADATA_BYTES`, or `HPCKPT_MAX_METADATA_BYTES` when set (a number of bytes, at most 2^62).
+
+    Raises:
+        RulesFileError: the setting is not such a number (a usage error, exit 2).
+    """
+    raw = os.environ.get("HPCKPT_MAX_METADATA_BYTES", "").strip()
+    if not raw:
+        return MAX_METADATA_BYTES
+    if not (raw.isascii() and raw.isdigit()) or not 0 < int(raw) <= 2**62:
+        from hpckpt.core.errors import RulesFileError
+
+        raise RulesFileError(f"HPCKPT_MAX_METADATA_BYTES={raw!r} is not a number of bytes between 1 and 2^62")
+    return int(raw)
 
 
 def _kind(mode: int) -> str:

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from hpckpt.core.errors import DestinationLockedError
@@ -103,3 +106,108 @@ class DestinationLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+# -- a source being read, a destination being replaced ------------------------------------------
+#
+# A run reading a checkpoint holds a SHARED `flock` on the checkpoint itself (its directory, or
+# its single file) for the whole run; a run that replaces an existing destination with `--force`
+# holds an EXCLUSIVE one on it until the old output is gone. Neither waits: whoever comes second
+# stops with `DestinationLockedError`. Nothing is created beside the source (it may be read-only,
+# and hpckpt writes only its destination); where `flock` is not supported (some network file
+# systems) the run goes on without it.
+
+_UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
+
+
+class _Held(Exception):
+    """Another process holds a conflicting lock."""
+
+
+def _checkpoint_root(path: Path) -> Path:
+    """The checkpoint a source path names: the directory for `DIR/.metadata` (and an index file
+    inside a directory checkpoint), else the path itself."""
+    if path.is_file() and (path.name.endswith("metadata") or path.name.endswith(".index.json")):
+        return path.parent
+    return path
+
+
+def _take(path: Path, operation: int) -> int | None:
+    """An fd on `path` (opened read-only) holding `flock(operation)`; None when `path` cannot be
+    opened (missing, unreadable: the run reports that itself) or does not support `flock`.
+
+    Raises:
+        _Held: another process holds a conflicting lock.
+    """
+    for _ in range(8):  # replaced between open and flock: lock the new one
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise _Held() from None
+            if exc.errno in _UNSUPPORTED:
+                return None
+            raise
+        try:
+            st = os.stat(path)
+        except OSError:
+            os.close(fd)
+            return None
+        mine = os.fstat(fd)
+        if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+            return fd
+        os.close(fd)
+    return None
+
+
+@contextmanager
+def reading(src: str | Path) -> Iterator[None]:
+    """Hold a shared lock on the source `src` while the block reads it (nested blocks share it).
+
+    Raises:
+        DestinationLockedError: another hpckpt run is replacing `src` (`--force`).
+    """
+    try:
+        fd = _take(_checkpoint_root(Path(src)), fcntl.LOCK_SH) if isinstance(src, (str, os.PathLike)) else None
+    except _Held:
+        raise DestinationLockedError(f"{src} is being replaced by another hpckpt run",
+                                     hint="wait for that run to finish, then run this one again") from None
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+class ReplaceLock:
+    """The exclusive lock a run holds on the existing destination it replaces, until the old
+    output is gone (`release()`)."""
+
+    def __init__(self, dest: Path):
+        self.dest = Path(dest)
+        try:
+            self._fd = _take(self.dest, fcntl.LOCK_EX)
+        except _Held:
+            raise DestinationLockedError(f"{self.dest} is being read by another hpckpt run; it cannot be replaced now",
+                                         hint="wait for that run to finish, or write somewhere else") from None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def holds_source(function):
+    """`function(src, ...)` runs holding `reading(src)`: taken before it reads any metadata."""
+
+    @functools.wraps(function)
+    def wrapper(src, *args, **kwargs):
+        with reading(src):
+            return function(src, *args, **kwargs)
+
+    return wrapper

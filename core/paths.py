@@ -20,6 +20,10 @@ def resolve_inside(root: Path, relative: str) -> Path:
     """
     if not relative or os.path.isabs(relative) or relative.startswith(("\\", "/")):
         raise UnsafePathError(f"path {relative!r} in the metadata is not relative to the checkpoint")
+    if "\0" in relative or len(relative.encode("utf-8", "surrogatepass")) > 4096 or any(
+            len(part.encode("utf-8", "surrogatepass")) > 255 for part in relative.split("/")):
+        raise UnsafePathError(f"path {relative[:80]!r}{'...' if len(relative) > 80 else ''} in the metadata "
+                              "cannot name a file (a NUL byte, or longer than a file system allows)")
     root_resolved = root.resolve()
     try:
         target = (root_resolved / relative).resolve()

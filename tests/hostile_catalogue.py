@@ -551,7 +551,7 @@ def _hp_special_cases() -> None:
         case(f"hp-data-file-{how}", {8}, _replace_file("_rank1_.safetensors", how), inspect_ok=True)
         case(f"hp-metadata-{how}", {8}, _replace_file(".metadata", how))
     case("hp-data-file-dev-zero", {12}, _replace_file("_rank1_.safetensors", "dev-zero"), inspect_ok=True)
-    case("hp-metadata-dev-zero", {8}, _replace_file(".metadata", "dev-zero"))
+    case("hp-metadata-dev-zero", {12}, _replace_file(".metadata", "dev-zero"))  # a symlink leaving the checkpoint
     case("hp-value-file-fifo", {8}, _replace_file("_rank0_.bytes", "fifo"), inspect_ok=True)
 
     def rank_local(kind: str) -> Callable[[Path], Path]:
@@ -1006,8 +1006,33 @@ def _argument_cases() -> None:
     case("arg-zero-byte-ckpt", {4}, zero_byte_ckpt)
 
 
+def _review_cases() -> None:
+    """What a red-team review of the first version found."""
+    def root_not_metadata(d: Path) -> Path:  # names HyperParallel's Metadata class, then holds a dict
+        root = hp_sample(d / "ckpt")
+        module, name = b"hyper_parallel.core.distributed_checkpoint.metadata", b"Metadata"
+        (root / ".metadata").write_bytes(b"\x80\x04\x8c" + bytes([len(module)]) + module + b"\x8c" + bytes([len(name)])
+                                         + name + b"\x930}.")
+        return root
+
+    def version(metadata, root) -> None:
+        metadata.version = "1.0\x1b[31mRED\x1b]0;title\x07[bold red]MARKUP[/]\nForged: line"
+
+    def metadata_outside(d: Path) -> Path:
+        root = hp_sample(d / "ckpt")
+        (root / ".metadata").rename(d / "outside.metadata")
+        (root / ".metadata").symlink_to(d / "outside.metadata")
+        return root
+
+    case("hp-root-is-a-dict", {6}, root_not_metadata)
+    case("hp-relative-path-nul", {12}, hp_with(_set_path("_rank0_\x00.safetensors")), inspect_ok=True)
+    case("hp-relative-path-5000-chars", {12}, hp_with(_set_path("a" * 5000)), inspect_ok=True)
+    case("hp-version-with-escapes", {0, 5, 6}, hp_with(version))
+    case("hp-metadata-symlink-outside", {12}, metadata_outside)
+
+
 for _add in (_truncation_cases, _safetensors_cases, _sidecar_cases, _hp_special_cases, _hp_metadata_cases,
-             _torch_cases, _bin_cases, _argument_cases):
+             _torch_cases, _bin_cases, _argument_cases, _review_cases):
     _add()
 
 

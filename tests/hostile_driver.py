@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-import resource
-import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from inprocess import install_alarm, limit_memory, memoise_typer, run_redirected
 
 BUDGET_SECONDS = 5.0
 COMMANDS = {
@@ -34,53 +34,14 @@ COMMANDS = {
 }
 
 
-class Timeout(BaseException):
-    """Raised by SIGALRM: a BaseException, so that no `except Exception` in hpckpt swallows it."""
-
-
-def _alarm(signum, frame):
-    raise Timeout()
-
-
-def limit_memory() -> None:
-    _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    cap = 4 << 30
-    resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
-
-
 def run_one(args: list[str], scratch: Path) -> dict:
     """One command in this process: exit code, stdout, stderr, seconds, timed out or not."""
     from hpckpt.cli.app import run
 
     out_path, err_path = scratch / "stdout", scratch / "stderr"
-    saved = os.dup(1), os.dup(2)
-    sys.stdout.flush()
-    sys.stderr.flush()
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        os.dup2(out.fileno(), 1)
-        os.dup2(err.fileno(), 2)
-    sys.argv = ["hpckpt", *args]
-    started = time.perf_counter()
-    code, timed_out = None, False
-    signal.setitimer(signal.ITIMER_REAL, BUDGET_SECONDS)
-    try:
-        code = run()
-    except Timeout:
-        timed_out = True
-    except BaseException as exc:  # noqa: BLE001 - recorded, judged by the test
-        code = f"escaped {type(exc).__name__}: {exc}"
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except (OSError, ValueError):
-            pass
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        os.close(saved[0])
-        os.close(saved[1])
-    return {"args": args, "code": code, "timeout": timed_out, "seconds": round(time.perf_counter() - started, 3),
+        code, timed_out, seconds = run_redirected(run, args, out.fileno(), err.fileno(), BUDGET_SECONDS)
+    return {"args": args, "code": code, "timeout": timed_out, "seconds": round(seconds, 3),
             "stdout": out_path.read_bytes().decode("utf-8", "backslashreplace"),
             "stderr": err_path.read_bytes().decode("utf-8", "backslashreplace")}
 
@@ -97,27 +58,11 @@ def run_case(name: str, spec: dict, work: Path) -> dict:
     return results
 
 
-def memoise_typer() -> None:
-    """typer rebuilds the click command tree on every call of the app (45 ms of a 50 ms run, by
-    cProfile); it never changes between runs, so the driver builds it once."""
-    import typer.main
-
-    built = {}
-    original = typer.main.get_command
-
-    def get_command(typer_instance):
-        if id(typer_instance) not in built:
-            built[id(typer_instance)] = original(typer_instance)
-        return built[id(typer_instance)]
-
-    typer.main.get_command = get_command
-
-
 def main() -> int:
     manifest_path, results_path, work = sys.argv[1:4]
     limit_memory()
     memoise_typer()
-    signal.signal(signal.SIGALRM, _alarm)
+    install_alarm()
     os.environ.setdefault("HPCKPT_CACHE_DIR", tempfile.mkdtemp(prefix="hpckpt-hostile-cache-"))
     os.environ["COLUMNS"] = "200"
     manifest = json.loads(Path(manifest_path).read_text())

@@ -377,3 +377,13 @@ def test_a_dry_run_checks_the_layout_as_the_real_run_does(tmp_path):
     assert unfit.exit_code == 2 and "fits none" in unfit.stderr and not (tmp_path / "x").exists()
     partly = cli("convert", TINY, "-o", tmp_path / "x", "--to", "hp", "--mesh", "2", "--placements", "S1", "--dry-run")
     assert partly.exit_code == 0 and "does not fit 1 of" in partly.stderr and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("setting", [("HPCKPT_PICKLE_BUDGET", "bogus=1"), ("HPCKPT_MAX_METADATA_BYTES", "²"),
+                                     ("HPCKPT_MAX_METADATA_BYTES", "99999999999999999999999"),
+                                     ("HPCKPT_MAX_METADATA_BYTES", "abc")])
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_a_wrong_setting_in_the_environment_is_a_usage_error_of_every_command(setting, command):
+    result = CliRunner().invoke(app, [command, str(TINY)], env=dict([setting]))
+    assert result.exit_code == 2, (setting, result.stdout, result.stderr)
+    assert result.stderr.count("error:") == 1 and setting[0] in result.stderr and "internal" not in result.stderr

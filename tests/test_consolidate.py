@@ -366,6 +366,11 @@ def test_existing_output_needs_force(fmt, name, tmp_path):
         ours = tmp_path / f"ours-{name}"  # --force replaces an output of hpckpt's
         api.consolidate(fixture, ours, fmt)
         shutil.copytree(ours, out, dirs_exist_ok=True) if out.is_dir() else os.replace(ours, out)
+        if out.is_dir():  # the checkpoint and a file that is not its: refused, the file kept
+            refused = cli("consolidate", fixture, "-o", out, "--format", fmt, "--force")
+            assert refused.exit_code == 16 and "keep is not part of its checkpoint" in refused.stderr, refused.stderr
+            assert (out / "keep").read_text() == "old"
+            (out / "keep").unlink()
     result = cli("consolidate", fixture, "-o", out, "--format", fmt, "--force", "--json")
     assert result.exit_code == 0, result.stderr
     want = expected_tensors(fixture)

@@ -851,6 +851,11 @@ def test_existing_destination(target, tmp_path):
         ours = tmp_path / f"ours-{out.name}"  # --force replaces an output of hpckpt's
         api.convert(fixture, ours, target)
         shutil.copytree(ours, out, dirs_exist_ok=True) if out.is_dir() else os.replace(ours, out)
+        if out.is_dir():  # the checkpoint and a file that is not its: refused, the file kept
+            refused = cli("convert", fixture, "-o", out, "--to", target, "--force")
+            assert refused.exit_code == 16 and "keep.txt is not part of its checkpoint" in refused.stderr, refused.stderr
+            assert (out / "keep.txt").read_text() == "mine"
+            (out / "keep.txt").unlink()
     result = cli("convert", fixture, "-o", out, "--to", target, "--force")
     assert result.exit_code == 0, result.stderr
     assert not (out.is_dir() and (out / "keep.txt").exists())

@@ -500,9 +500,14 @@ def test_existing_destination_and_force(tmp_path):
         api.reshard(src, out, LayoutSpec.for_world_size(3))
     assert snapshot(src) == before
     result = cli("reshard", src, "-o", out, "-w", "3", "--force")  # no checkpoint: not replaced
-    assert result.exit_code == 16 and "1 entries and no checkpoint" in result.stderr, (result.exit_code, result.stderr)
+    assert result.exit_code == 16 and "1 entry and no checkpoint" in result.stderr, (result.exit_code, result.stderr)
     assert tree(out) == {"old.txt": b"keep me"}
-    shutil.copytree(FIXTURES / "m0-torch-4rank", out, dirs_exist_ok=True)  # a checkpoint: --force replaces it
+    shutil.copytree(FIXTURES / "m0-torch-4rank", out, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("expected*"))  # the checkpoint, not the test's reference files
+    result = cli("reshard", src, "-o", out, "-w", "3", "--force")  # a checkpoint and a file that is not its
+    assert result.exit_code == 16 and "old.txt is not part of its checkpoint" in result.stderr, result.stderr
+    assert (out / "old.txt").read_text() == "keep me"
+    (out / "old.txt").unlink()  # a checkpoint alone: --force replaces it
     result = cli("reshard", src, "-o", out, "-w", "3", "--force", "--json")
     assert result.exit_code == 0, result.stderr
     assert not (out / "old.txt").exists()

@@ -16,8 +16,9 @@ from hpckpt.converters import hpckpt_json, index_cache
 from hpckpt.converters.data_files import DataFileLocator
 from hpckpt.converters.torch_dcp.metadata_files import cross_check, index_entries
 from hpckpt.core import dtypes, input_files
+from hpckpt.core.paths import resolve_inside
 from hpckpt.core.box import Box
-from hpckpt.core.errors import CorruptMetadataError, UnknownFormatError
+from hpckpt.core.errors import CorruptMetadataError, UnknownFormatError, UnsafePathError
 from hpckpt.core.index import CheckpointIndex, Chunk, TensorEntry, ValueEntry, int_rows
 from hpckpt.core.layout import inferred_layouts
 from hpckpt.core.metadata import (
@@ -38,6 +39,15 @@ _HP_PREFIX = "hyper_parallel.core."
 _LEGACY_PREFIX = "hyper_parallel.core.checkpoint."
 
 
+def _inside(root: Path, name: str) -> None:
+    """A metadata file that is a symlink out of the checkpoint is refused (exit 12), as a data file is."""
+    try:
+        resolve_inside(root, name)
+    except UnsafePathError:
+        raise UnsafePathError(f"{root / name}: the metadata file is a symlink that leaves the checkpoint "
+                              f"directory {root}", hint="copy the file into the checkpoint instead") from None
+
+
 def metadata_files(root: Path) -> list[str]:
     """The metadata files of a HyperParallel checkpoint: `.metadata`, else the rank-local ones.
 
@@ -46,6 +56,7 @@ def metadata_files(root: Path) -> list[str]:
             whatever the format: a PyTorch DCP `.metadata` is checked here too, as this runs first).
     """
     if os.path.lexists(root / GLOBAL_METADATA):
+        _inside(root, GLOBAL_METADATA)
         input_files.check_regular(root / GLOBAL_METADATA, "metadata file")
         return [GLOBAL_METADATA]
     return [name for _, name in rank_local(root)]
@@ -57,6 +68,7 @@ def rank_local(root: Path) -> list[tuple[int, str]]:
     for child in root.iterdir():
         match = _RANK_LOCAL.match(child.name) or _LEGACY_RANK_LOCAL.match(child.name)
         if match:
+            _inside(root, child.name)
             input_files.check_regular(child, "metadata file")
             ranked.append((int(match.group(1)), child.name))
     return sorted(ranked)
@@ -67,8 +79,11 @@ def _read_pickle(root: Path, name: str) -> Metadata:
     if not data:
         raise CorruptMetadataError(f"{root / name}: empty metadata file")
     metadata = loads(data, what=str(root / name), kind=METADATA)
+    if not isinstance(metadata, Metadata):  # before its fields are looked at
+        raise CorruptMetadataError(f"{root / name}: pickle holds {type(metadata).__name__}, not a HyperParallel "
+                                   "Metadata object")
     check_hp_metadata(metadata, len(data), str(root / name))
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+    if not isinstance(metadata.state_dict_metadata, dict):
         raise CorruptMetadataError(f"{root / name}: pickle does not hold a HyperParallel Metadata object")
     if not isinstance(metadata.storage_data, dict):
         raise CorruptMetadataError(f"{root / name}: metadata has no storage_data (written before finalize?)")
@@ -117,6 +132,7 @@ class HyperParallelReader:
     def _parse(self, path: Path, names: list[str]) -> CheckpointIndex:
         tensors: dict[str, TensorEntry] = {}
         values: dict[str, ValueEntry] = {}
+        replicas: list[ValueEntry] = []  # values stored again by another rank (rank-local metadata)
         planner_data: dict = {}
         versions: set[str] = set()
         files: set[str] = set()
@@ -125,7 +141,7 @@ class HyperParallelReader:
             legacy |= _LEGACY_PREFIX.encode() in sniff_head(path / name)
             metadata = _read_pickle(path, name)
             versions.add(str(metadata.__dict__.get("version", "1.0")))
-            _Source(metadata, name).merge_into(tensors, values)
+            _Source(metadata, name).merge_into(tensors, values, replicas)
             files.update(storage_paths(metadata.storage_data, name))
             if isinstance(metadata.planner_data, dict):
                 planner_data.update(metadata.planner_data)
@@ -141,7 +157,7 @@ class HyperParallelReader:
             values=values,
             metadata_files=names,
             data_files=data_files,
-            locator=DataFileLocator(path),
+            locator=DataFileLocator(path, value_replicas=replicas),
             world_size=max(ranks) + 1 if ranks else None,
             planner_data=planner_data or None,
         )
@@ -220,7 +236,8 @@ class _Source:
     def files(self, fqn: str, item: TensorStorageMetadata, which: Iterable[int] | None = None) -> list[str]:
         return [info.relative_path for info in self._infos(fqn, item, which)]
 
-    def merge_into(self, tensors: dict[str, TensorEntry], values: dict[str, ValueEntry]) -> None:
+    def merge_into(self, tensors: dict[str, TensorEntry], values: dict[str, ValueEntry],
+                   replicas: list[ValueEntry] | None = None) -> None:
         storage = self.metadata.storage_data
         for fqn, item in self.metadata.state_dict_metadata.items():
             if isinstance(item, TensorStorageMetadata):
@@ -255,7 +272,9 @@ class _Source:
                     raise CorruptMetadataError(f"{self.name}: value {fqn} has no storage_data entry")
                 offset, length = check_ints((getattr(info, "offset", None), getattr(info, "length", None)),
                                             f"{self.name}: value {fqn}: byte range")
-                values.setdefault(fqn, ValueEntry(fqn, info.relative_path, offset, length))
+                entry = ValueEntry(fqn, info.relative_path, offset, length)
+                if values.setdefault(fqn, entry) is not entry and replicas is not None:
+                    replicas.append(entry)  # another rank's copy: read by that rank's loader, checked by verify
             else:
                 raise CorruptMetadataError(f"{self.name}: entry {fqn} has unexpected type {type(item).__name__}")
 

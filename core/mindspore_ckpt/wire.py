@@ -124,11 +124,28 @@ def _int64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+#: MindSpore's CRC trailer: `b"crc_num"` and the CRC-32 as 10 bytes big-endian (`scan.CRC_MARK`).
+_CRC_MARK, _CRC_TRAILER_BYTES = b"crc_num", 17
+
+
+def _refuse_cut_trailer(cur: _Cursor, start: int, end: int) -> None:
+    """Raise if the last `end - start` (< 17) bytes are the start of a CRC trailer: a file cut
+    inside its trailer (a Value always begins with byte 0x0a, never with `c`)."""
+    cur.f.seek(start)
+    rest = cur.f.read(end - start)
+    cur.f.seek(start)
+    if rest and (_CRC_MARK.startswith(rest) or rest.startswith(_CRC_MARK)):
+        raise cur.error(start, f"truncated CRC trailer ({len(rest)} of its {_CRC_TRAILER_BYTES} bytes: "
+                               f"b'crc_num' and a 10-byte CRC-32): the file was cut short")
+
+
 def _walk(cur: _Cursor, end: int) -> list[_RawValue]:
     """Every top-level Value; anything else at the top level means this is no checkpoint."""
     values = []
     while cur.pos < end:
         start = cur.pos
+        if end - start < _CRC_TRAILER_BYTES:
+            _refuse_cut_trailer(cur, start, end)
         number, wire = cur.key(end, "Checkpoint")
         if (number, wire) != (1, _LEN):
             raise cur.error(start, f"expected a Checkpoint Value (field 1), found field {number} "
