@@ -81,6 +81,22 @@ def completion(shell: ShellName = typer.Argument(..., help="The shell to complet
     typer.echo(render.render(shell, typer.main.get_command(app)), nl=False)
 
 
+_ROOT_FLAGS = {"--debug", "--json", "--quiet", "-q", "--no-progress"}
+
+
+def _command_problem(argv: list[str]) -> str | None:
+    """What is wrong with the command named on the line (none given, or no such command), or
+    None. click reports these before any hpckpt code runs (so `--json` could not answer them):
+    they are found here first and said like every other usage error."""
+    names = [c.name for c in app.registered_commands]
+    for arg in argv:
+        if arg in ("-h", "--help", "--version") or (arg.startswith("-") and arg not in _ROOT_FLAGS):
+            return None  # help, version, or an option click itself will judge
+        if not arg.startswith("-"):
+            return None if arg in names else f"no such command {arg!r} (commands: {', '.join(names)})"
+    return f"missing command (commands: {', '.join(names)})" if argv else None
+
+
 def run() -> int:
     """Run the command line in this process and return its exit code (benchmarks use this)."""
     # A short-lived process that may build millions of small objects (one per stored chunk) and
@@ -90,6 +106,14 @@ def run() -> int:
     from hpckpt.cli._errors import print_error
     from hpckpt.core.errors import InterruptedRunError
 
+    from hpckpt.core import process
+
+    process.single_job = True  # e.g. a large pickle's load may be given an address-space bound
+    problem = _command_problem(sys.argv[1:])
+    if problem is not None:
+        _output.reset(None, json="--json" in sys.argv[1:])
+        print_error(problem, "hpckpt --help lists the commands", kind="usage", exit_code=2)
+        return 2
     try:
         with _signals.raising():  # Ctrl-C, SIGTERM, SIGHUP: InterruptedRunError, staging removed
             app(prog_name="hpckpt")

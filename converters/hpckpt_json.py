@@ -39,6 +39,9 @@ NAME = ".hpckpt.json"
 SCHEMA = 1
 MAX_BYTES = 64 << 10  # what hpckpt writes is a few hundred bytes
 MAX_WORLD_SIZE = 1 << 20  # more is no real job; layout inference splits tensors into that many parts
+# A record is believed up to this many ranks, or this many times the ranks that hold files: a forged
+# world size would otherwise make `convert` keep a layout of 10^6 ranks (gigabytes of plan).
+PLAUSIBLE_WORLD, PLAUSIBLE_FACTOR = 4096, 64
 
 
 def record(format_name: str, world_size: int, metadata: Sequence[tuple[str, bytes]],
@@ -80,6 +83,9 @@ def _disagreement(doc: dict, index: CheckpointIndex, inferred: int | None) -> st
         return f"it describes a {doc.get('format')!r} checkpoint, this one is {index.format!r}"
     if inferred is not None and inferred > doc["world_size"]:
         return f"it says world size {doc['world_size']}, but a file name names rank {inferred - 1}"
+    if doc["world_size"] > max(PLAUSIBLE_WORLD, PLAUSIBLE_FACTOR * (inferred or 1)):
+        return (f"it says world size {doc['world_size']}, but files name only {inferred or 0} rank(s): more than "
+                f"{PLAUSIBLE_FACTOR} ranks without data per rank with data is not trusted (layouts would follow it)")
     named = set(doc["metadata"])
     present = set(index.metadata_files) - {NAME}
     if named != present:

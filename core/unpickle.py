@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import _compat_pickle
 import collections
+import contextlib
 import datetime
 import gc
 import io
@@ -256,6 +257,44 @@ def _check_memo(file: BinaryIO, nbytes: int) -> None:
         return  # malformed: the load itself says how
 
 
+@contextlib.contextmanager
+def _memory_cap(nbytes: int):
+    """The bound on what loading one large pickle may allocate (a memo index it names, which the
+    scan of small pickles catches, makes the C unpickler allocate 16 bytes per index).
+
+    Raises:
+        UnsafePickleError: the load needed more than that.
+    """
+    import resource
+
+    from hpckpt.core import process
+
+    # Only in the `hpckpt` process (`core.process`): the limit is the process's, and the threads of
+    # a program importing hpckpt need theirs. Up to max(1 GiB, 64 x the pickle's bytes).
+    if not process.single_job or nbytes <= MEMO_SCAN_BYTES:
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    try:
+        with open("/proc/self/statm") as f:
+            used = int(f.read().split()[0]) * resource.getpagesize()
+    except (OSError, ValueError, IndexError):
+        used = None
+    budget = max(1 << 30, 64 * nbytes)
+    cap = None if used is None else used + budget
+    if cap is None or any(limit != resource.RLIM_INFINITY and limit <= cap for limit in (soft, hard)):
+        yield  # unknown, or already tighter
+        return
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    except MemoryError:
+        raise UnsafePickleError(f"refusing a pickle of {nbytes:,} bytes that needs more than {budget >> 20:,} MiB "
+                                "of memory to load (a memo index far beyond its size?)") from None
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
 def _load_on_big_stack(load: Callable[[], Any], nbytes: int) -> Any:
     """`load()` in a thread whose stack fits `nbytes` levels of tuple nesting (see DIRECT_BYTES)."""
     if 0 < nbytes <= DIRECT_BYTES:
@@ -266,7 +305,8 @@ def _load_on_big_stack(load: Callable[[], Any], nbytes: int) -> Any:
 
     def run() -> None:
         try:
-            outcome["value"] = load()
+            with _memory_cap(nbytes):
+                outcome["value"] = load()
         except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
             outcome["error"] = exc
 

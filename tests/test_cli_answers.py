@@ -387,3 +387,14 @@ def test_a_wrong_setting_in_the_environment_is_a_usage_error_of_every_command(se
     result = CliRunner().invoke(app, [command, str(TINY)], env=dict([setting]))
     assert result.exit_code == 2, (setting, result.stdout, result.stderr)
     assert result.stderr.count("error:") == 1 and setting[0] in result.stderr and "internal" not in result.stderr
+
+
+@pytest.mark.parametrize("argv", [["--json", "frobnicate"], ["--json"], ["--quiet", "--json", "nope", "x"]])
+def test_an_unknown_or_missing_command_is_one_error_line_and_in_json_a_document(argv):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "hpckpt", *argv], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("error:") == 1 and "╭" not in proc.stderr, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["ok"] is False and doc["error"]["kind"] == "usage" and list(doc)[:7] == ENVELOPE

@@ -551,3 +551,25 @@ def test_errors_name_the_problem(cli_results):
     for key, needle in expected.items():
         said = results[key]["stderr"] + results[key]["stdout"]  # verify lists its findings on stdout
         assert needle in said, (key, said)
+
+
+def test_a_memo_index_bomb_too_large_to_scan_is_bounded_by_the_command(tmp_path):
+    """A 300 KiB metadata pickle (above the scanned size) naming memo index 4*10^8 would make the
+    C unpickler allocate a 6.4 GB memo; the `hpckpt` process bounds the load's address space, so
+    it is refused (exit 7) in well under a second and 200 MB."""
+    import subprocess
+    import sys
+
+    root = hp_checkpoint(tmp_path / "memo")
+    module, pad = b"hyper_parallel.core.distributed_checkpoint.metadata", b"x" * (300 << 10)
+    data = (PROTO + b"\x8c" + bytes([len(module)]) + module + b"\x8c\x08Metadata\x930" + b"X"
+            + len(pad).to_bytes(4, "little") + pad + b"0}r" + (4 * 10**8).to_bytes(4, "little") + b".")
+    (root / ".metadata").write_bytes(data)
+    # the peak is read inside the child (VmHWM): a child's ru_maxrss keeps its forked parent's peak
+    script = ("import re, sys\nfrom hpckpt.cli.app import run\nsys.argv = ['hpckpt', 'inspect', sys.argv[1]]\n"
+              "code = run()\npeak = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)\n"
+              "print('peak', peak, file=sys.stderr)\nsys.exit(code)\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(root)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 7 and "memory" in proc.stderr, proc.stderr
+    peak_kib = int(proc.stderr.split("peak ")[1].split()[0])
+    assert peak_kib < 200 << 10, f"{peak_kib} KiB"

@@ -322,3 +322,18 @@ def test_the_index_cache_keeps_the_record_s_world_size_and_rereads_a_changed_rec
         assert (report["world_size"], report["world_size_exact"]) == (2, False)
         assert [note for note in report["notes"] if RECORD in note], report["notes"]
     assert set(cache_dir().glob("*.idx")) > cached  # another identity, another snapshot
+
+
+def test_a_forged_world_size_far_above_the_ranks_with_files_is_not_followed(tmp_path):
+    """A record saying 10^6 ranks for a 2-rank checkpoint would make `convert` keep a layout of a
+    million ranks (gigabytes of plan): it is ignored, with a note, and the output has 2 ranks."""
+    src = tmp_path / "src"
+    shutil.copytree(TINY, src)
+    doc = json.loads((src / RECORD).read_text())
+    doc["world_size"] = 10**6
+    (src / RECORD).write_text(json.dumps(doc))
+    index = open_index(src)
+    assert (index.world_size, index.world_size_exact) == (2, False)
+    assert any("not trusted" in w for w in index.warnings)
+    run("convert", str(src), "-o", str(tmp_path / "out"), "--to", "hp")
+    assert api.inspect(tmp_path / "out")["world_size"] == 2
