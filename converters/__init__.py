@@ -20,7 +20,7 @@ from hpckpt.converters.safetensors_file import SafetensorsFileReader, Safetensor
 from hpckpt.converters.torch_dcp import TorchDcpReader, TorchDcpWriter
 from hpckpt.converters.torch_dcp.metadata_files import rank_local_files
 from hpckpt.converters.torch_save_file import TorchSaveFileWriter, TorchSaveReader
-from hpckpt.core.commit import leftover
+from hpckpt.core.leftovers import leftover
 from hpckpt.core.errors import (
     CorruptMetadataError,
     NotACheckpointError,
