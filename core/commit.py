@@ -69,6 +69,7 @@ from hpckpt.core.destination import (
     refuse_unsafe,
 )
 from hpckpt.core.leftovers import (
+    DIST_MARK,
     FRAGMENT_DIR,
     TMP_MARK,
     _put_back,
@@ -93,12 +94,14 @@ class Staging:
     """
 
     def __init__(self, dest: Path, *, source: Path | None = None, force: bool = False, sync: bool = True,
-                 file_output: bool = False, parents: bool = False, needed: int = 0):
+                 file_output: bool = False, parents: bool = False, needed: int = 0, shared: bool = False):
         self.dest = Path(dest)
         self.sync = sync
         self.file_output = file_output
         self.force = force
-        self.path = self.dest.parent / f".{self.dest.name}{TMP_MARK}{os.getpid()}"
+        # `shared`: the staging directory every rank of a live save writes into (`hpckpt.dist`);
+        # its name cannot hold this process's pid, since the others must find it
+        self.path = self.dest.parent / f".{self.dest.name}{TMP_MARK}{DIST_MARK if shared else os.getpid()}"
         self.trash = self.dest.parent / f".{self.dest.name}{TMP_MARK}old-{os.getpid()}"
         self._done = False
         refuse_staging_name(self.dest)
@@ -109,6 +112,8 @@ class Staging:
         self._replacing: ReplaceLock | None = None
         try:
             remove_stale_staging(self.dest, file_output)
+            if shared and os.path.lexists(self.path):  # a live save that did not finish (we hold the lock)
+                _remove(self.path)
             refuse_existing(self.dest, force, file_output)  # an old output put back counts
             if os.path.lexists(self.dest):  # (`force`): no run may be reading it while it is replaced
                 self._replacing = ReplaceLock(self.dest)

@@ -18,10 +18,13 @@ from hpckpt.core.lock import LOCK_SUFFIX, holder
 
 TMP_MARK = ".hpckpt-tmp-"
 FRAGMENT_DIR = ".hpckpt-fanout"
+DIST_MARK = "dist"  # `.NAME.hpckpt-tmp-dist`: the staging directory all ranks of a live save share
 
+# `.NAME.hpckpt-tmp-dist` is removed by the next live save's coordinator (it holds the lock), not
+# by offline runs: its writers are processes of another job, perhaps on other machines.
 # `.NAME.hpckpt-tmp-PID` (staging), `.NAME.hpckpt-tmp-old-PID` (moved aside), and inside a fan-out
 # directory `.hpckpt-tmp-PID` (a job's staging) and `.hpckpt-tmp-PID-FILE` (a file being published)
-_STAGING_NAME = re.compile(rf"^(?:\..+)?{re.escape(TMP_MARK)}(old-)?(\d+)(?:-.+)?$", re.DOTALL)
+_STAGING_NAME = re.compile(rf"^(?:\..+)?{re.escape(TMP_MARK)}(?:(old-)?(\d+)(?:-.+)?|{DIST_MARK})$", re.DOTALL)
 
 
 def staging_directory(path: Path) -> Path | None:
@@ -63,7 +66,10 @@ def leftover(path: Path) -> str | None:
     staging = staging_directory(path)
     if staging is not None:
         match = _STAGING_NAME.match(staging.name)
-        pid = int(match.group(2))
+        pid = int(match.group(2)) if match.group(2) else None
+        if pid is None:
+            return (f"{staging} is the staging directory of an unfinished distributed save (hpckpt.dist); the next "
+                    f"save to the same path removes it, or remove it with `rm -r {shlex.quote(str(staging))}`")
         what = ("the previous output, moved aside by an hpckpt run that replaced it" if match.group(1) else
                 "the staging directory of an unfinished hpckpt run" if staging.is_dir() else
                 "a temporary file of an unfinished hpckpt run")
@@ -176,5 +182,6 @@ def remove_stale_temporaries(directory: Path) -> None:
             continue
         for name in names:
             match = _STAGING_NAME.match(name)
-            if name.startswith(TMP_MARK) and match and not match.group(1) and _dead(int(match.group(2))):
+            if name.startswith(TMP_MARK) and match and match.group(2) and not match.group(1) \
+                    and _dead(int(match.group(2))):
                 _remove(folder / name)

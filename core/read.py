@@ -36,6 +36,7 @@ class OpenFiles:
     def __init__(self, limit: int = 64):
         self._fds: OrderedDict[Path, int] = OrderedDict()
         self._limit = limit
+        self.bytes_read = 0  # by `read_region`: what a load reports as read from storage
 
     def fd(self, path: Path) -> int:
         fd = self._fds.pop(path, None)
@@ -92,12 +93,13 @@ def read_region(files: OpenFiles, loc: Location | BufferLocation, region: Box, o
     strides = loc.strides if loc.strides is not None else _c_strides(loc.stored_shape)
     itemsize = loc.stored_dtype.itemsize
     start = loc.offset + sum(o * s for o, s in zip(region.offsets, strides)) * itemsize
-    _read_strided(files.fd(loc.path), loc.path, start, region.sizes, strides, itemsize,
-                  np.dtype(loc.stored_dtype.numpy_storage), out, budget)
+    files.bytes_read += _read_strided(files.fd(loc.path), loc.path, start, region.sizes, strides, itemsize,
+                                      np.dtype(loc.stored_dtype.numpy_storage), out, budget)
 
 
 def _read_strided(fd: int, path: Path, start: int, sizes: tuple[int, ...], strides: tuple[int, ...],
-                  itemsize: int, np_dtype: np.dtype, out: np.ndarray, budget: int) -> None:
+                  itemsize: int, np_dtype: np.dtype, out: np.ndarray, budget: int) -> int:
+    """Fill `out`; returns the bytes read."""
     span = (sum((z - 1) * s for z, s in zip(sizes, strides)) + 1) * itemsize
     needed = itemsize
     for z in sizes:
@@ -105,23 +107,25 @@ def _read_strided(fd: int, path: Path, start: int, sizes: tuple[int, ...], strid
     dense_in_order = all(z <= 1 or s == c for z, s, c in zip(sizes, strides, _c_strides(sizes)))
     if span == needed and dense_in_order and out.flags.c_contiguous:  # (a permutation is dense too)
         pread_exact(fd, span, start, path, memoryview(out.reshape(-1).view(np.uint8)))
-        return
+        return span
     if span <= budget or not sizes:
         raw = np.frombuffer(pread_exact(fd, span, start, path), dtype=np_dtype)
         out[...] = np.lib.stride_tricks.as_strided(
             raw, shape=sizes, strides=tuple(s * itemsize for s in strides), writeable=False
         )
-        return
+        return span
     # Too wide for one read: cut along the dim with the largest stride (the outermost in storage,
     # not necessarily dim 0: for a transposed view it is the last), in blocks whose span fits.
     d = max(range(len(sizes)), key=lambda i: (sizes[i] > 1, strides[i]))
     rest = (span // itemsize) - (sizes[d] - 1) * strides[d]
     block = max(1, (budget // itemsize - rest) // max(strides[d], 1) + 1)
+    done = 0
     for j in range(0, sizes[d], block):
         k = min(block, sizes[d] - j)
         index = (slice(None),) * d + (slice(j, j + k),)
-        _read_strided(fd, path, start + j * strides[d] * itemsize, sizes[:d] + (k,) + sizes[d + 1:], strides,
+        done += _read_strided(fd, path, start + j * strides[d] * itemsize, sizes[:d] + (k,) + sizes[d + 1:], strides,
                       itemsize, np_dtype, out[index], budget)
+    return done
 
 
 def read_box(index: CheckpointIndex, entry: TensorEntry, box: Box | None = None,

@@ -72,7 +72,7 @@ def test_every_subpackage_is_listed_for_installation():
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {"hpckpt"} | {
         "hpckpt." + ".".join(p.parent.relative_to(REPO).parts)
-        for top in ("api", "cli", "core", "converters") for p in (REPO / top).rglob("__init__.py")
+        for top in ("api", "cli", "core", "converters", "dist") for p in (REPO / top).rglob("__init__.py")
     }
     assert listed == found
 

@@ -66,7 +66,7 @@ def physical_keys(fqns: list[str]) -> list[str]:
     return keys
 
 
-def _payload(value: Any, fqn: str) -> bytes:
+def value_payload(value: Any, fqn: str) -> bytes:
     """A value pickled as HyperParallel pickles it (protocol 4); one holding a torch dtype or
     device is pickled naming torch's own globals (`torch.float32`), as torch would, since the
     stock pickler would name hpckpt's stand-ins instead."""
@@ -86,10 +86,16 @@ def _names_torch(value: Any) -> bool:
 class HyperParallelWriter:
     """`FormatWriter` of HyperParallel DCP (call order in `converters.base`)."""
 
-    def __init__(self, options: WriterOptions):
+    def __init__(self, options: WriterOptions, value_lengths: Mapping[str, int] | None = None,
+                 payloads: Mapping[str, bytes] | None = None):
+        """`value_lengths`: the pickle lengths of values other processes write (a running job's
+        ranks each write their own); `payloads`: values this process pickled already (as
+        `value_payload` does). `layout` is then given only the values neither covers."""
         self.mindspore = (options.framework or options.source_framework) == "mindspore"
         self._plan: Plan | None = None
+        self._given: dict[str, bytes] = dict(payloads or {})
         self._payloads: dict[str, bytes] = {}
+        self._lengths: dict[str, int] = dict(value_lengths or {})
         self._mesh, self._placements = options.mesh, options.placements
 
     def _spelling(self, dtype: DType) -> str:
@@ -99,7 +105,9 @@ class HyperParallelWriter:
         self._plan = plan
         # Values are decoded (safely) and pickled again with protocol 4, as HyperParallel writes
         # them: the same bytes whatever the source format.
-        self._payloads = {v.fqn: _payload(values[v.fqn], v.fqn) for v in plan.values}
+        self._payloads = {v.fqn: self._given[v.fqn] if v.fqn in self._given else value_payload(values[v.fqn], v.fqn)
+                          for v in plan.values if v.fqn in values or v.fqn in self._given}
+        self._lengths.update((fqn, len(p)) for fqn, p in self._payloads.items())
         file_metadata = {"format": "ms"} if self.mindspore else None
         files = []
         for rank, items in plan.by_rank.items():
@@ -141,9 +149,9 @@ class HyperParallelWriter:
         for rank in sorted({v.rank for v in plan.values}):
             position = 0
             for value in plan.values_of(rank):
-                payload = self._payloads[value.fqn]
-                storage[MetadataIndex(value.fqn)] = StorageInfo(values_file(rank), position, len(payload))
-                position += len(payload)
+                length = self._lengths[value.fqn]
+                storage[MetadataIndex(value.fqn)] = StorageInfo(values_file(rank), position, length)
+                position += length
         return Metadata(state, planner_data=dict(plan.nesting) or None, storage_data=storage)
 
     def _tensor_metadata(self, tensor: PlannedTensor) -> TensorStorageMetadata:

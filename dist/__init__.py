@@ -1,0 +1,24 @@
+"""Save and load inside a running PyTorch job: `save`, `async_save`, `load`.
+
+The live half of hpckpt. Every rank describes what it holds (DTensor shards, plain tensors,
+tensors carrying HyperParallel's `chunk_info`, values), the local plans are gathered, every rank
+builds the same global plan from them (`core.global_plan`: replicas stored once), each rank writes
+its own files through the one HyperParallel writer and engine into a shared staging directory,
+and the coordinator commits (`.metadata` last, one rename). Loading reads, on each rank, only the
+overlaps of its boxes with the saved ones, from any format hpckpt reads; a box several ranks want
+is read once and broadcast.
+
+torch is imported here and only here (`hpckpt.core` and the CLI never import it).
+
+    from hpckpt import dist as hdist
+    result = hdist.save({"model": model_sd, "optim": optim_sd}, "ckpt/step100")
+    handle = hdist.async_save(state, "ckpt/step200"); ...; handle.result(timeout=600)
+    loaded = hdist.load(state, "ckpt/step200")        # fills the tensors of `state` in place
+"""
+
+from hpckpt.dist.results import AsyncSaveHandle, LoadResult, SaveResult
+from hpckpt.dist.save import async_save, save
+from hpckpt.dist.load import load
+from hpckpt.dist.coordination import CoordinationTimeoutError
+
+__all__ = ["save", "async_save", "load", "SaveResult", "LoadResult", "AsyncSaveHandle", "CoordinationTimeoutError"]

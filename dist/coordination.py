@@ -1,0 +1,156 @@
+"""How the ranks of a save exchange what they must agree on: collectives, or files on storage.
+
+Every exchange is an `all_gather` of a JSON-able object under a phase name; each rank then
+decides the same thing from the same list, so nothing is ever broadcast and no rank waits for a
+verdict it could compute itself.
+
+- `Collectives`: `all_gather_object` over the process group (gloo on CPU, nccl on GPUs).
+- `Storage`: no collectives at all. Each rank writes `.hpckpt-PHASE-RANK.json` (written aside and
+  renamed, so a reader never sees half a file) into the shared staging directory and polls for the
+  others', for a bounded time: a rank that never arrives ends the wait with a
+  `CoordinationTimeoutError` naming it. JSON, never pickles: a file on shared storage is not
+  trusted code. Every file carries the save's nonce, which the coordinator puts in
+  `.hpckpt-start.json` when it creates the staging directory, so files a killed save left are never
+  taken for this one's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+from hpckpt.core.errors import HpckptError
+
+START = ".hpckpt-start.json"
+PROTOCOL_PREFIX = ".hpckpt-"  # every exchange file; none is left in a committed checkpoint
+DEFAULT_TIMEOUT = 600.0
+
+
+class CoordinationTimeoutError(HpckptError, TimeoutError):
+    """Some ranks of a save did not arrive within the bounded wait (they died, hang, or run
+    another sequence of saves)."""
+
+    exit_code = 20
+    kind = "coordination-timeout"
+
+
+class Restarted(Exception):
+    """The coordinator began the save anew (it found and removed a staging directory a killed
+    job left, which this rank had already joined): start over with the new nonce."""
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(8)
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:16])) + (", ..." if len(ranks) > 16 else "")
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown}"
+
+
+class Collectives:
+    """Exchanges over a torch process group."""
+
+    kind = "collectives"
+
+    def __init__(self, group: Any, rank: int, world_size: int):
+        self.group, self.rank, self.world_size = group, rank, world_size
+
+    def all_gather(self, phase: str, obj: Any, what: str | None = None) -> list[Any]:
+        import torch.distributed as tdist
+
+        out: list[Any] = [None] * self.world_size
+        tdist.all_gather_object(out, json.dumps(obj), group=self.group)
+        return [json.loads(doc) for doc in out]
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write `obj` as JSON at `path` so that a reader sees all of it or nothing."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.part")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, separators=(",", ":"))
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Any | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+        return None  # not ours, or being replaced: read again
+
+
+class Storage:
+    """Exchanges through files in the staging directory shared by every rank."""
+
+    kind = "storage"
+
+    def __init__(self, directory: Path, rank: int, world_size: int, nonce: str, timeout: float):
+        self.directory, self.rank, self.world_size = Path(directory), rank, world_size
+        self.nonce, self.timeout = nonce, timeout
+
+    def _path(self, phase: str, rank: int) -> Path:
+        return self.directory / f"{PROTOCOL_PREFIX}{phase}-{rank}.json"
+
+    def publish(self, phase: str, obj: Any) -> None:
+        try:
+            write_json(self._path(phase, self.rank), {"nonce": self.nonce, "data": obj})
+        except FileNotFoundError:
+            self._check_restarted()
+            raise
+
+    def _check_restarted(self) -> None:
+        start = read_json(self.directory / START)
+        if start is not None and start.get("nonce") != self.nonce:
+            raise Restarted()
+
+    def collect(self, phase: str, what: str) -> list[Any]:
+        """Every rank's object of `phase`, waiting at most `timeout` for them."""
+        found: dict[int, Any] = {}
+        deadline = time.monotonic() + self.timeout
+        pause = 0.002
+        while True:
+            for r in range(self.world_size):
+                if r not in found:
+                    doc = read_json(self._path(phase, r))
+                    if isinstance(doc, dict) and doc.get("nonce") == self.nonce:
+                        found[r] = doc.get("data")
+            if len(found) == self.world_size:
+                return [found[r] for r in range(self.world_size)]
+            if time.monotonic() > deadline:
+                missing = [r for r in range(self.world_size) if r not in found]
+                raise CoordinationTimeoutError(
+                    f"storage coordination: {_ranks(missing)} did not {what} within {self.timeout:g} s "
+                    f"(waiting in {self.directory})",
+                    hint="a rank died or hangs; no checkpoint was committed")
+            self._check_restarted()
+            time.sleep(pause)
+            pause = min(pause * 1.5, 0.05)
+
+    def all_gather(self, phase: str, obj: Any, what: str | None = None) -> list[Any]:
+        self.publish(phase, obj)
+        return self.collect(phase, what or f"reach '{phase}'")
+
+
+def wait_for_start(directory: Path, save_id: str, timeout: float) -> str:
+    """A rank other than the coordinator: the nonce of save `save_id`, once the coordinator has
+    created the staging directory for it."""
+    deadline = time.monotonic() + timeout
+    pause = 0.002
+    while True:
+        start = read_json(directory / START)
+        if isinstance(start, dict) and start.get("save") == save_id and isinstance(start.get("nonce"), str):
+            return start["nonce"]
+        if time.monotonic() > deadline:
+            raise CoordinationTimeoutError(
+                f"storage coordination: the coordinator did not start save {save_id} within {timeout:g} s "
+                f"(waiting for {directory / START})",
+                hint="the coordinator died, hangs, or runs another sequence of saves; no checkpoint was committed")
+        time.sleep(pause)
+        pause = min(pause * 1.5, 0.05)

@@ -1,0 +1,226 @@
+"""`load`: fill a running job's tensors, in place, from a checkpoint of any format and layout.
+
+Each rank asks for the boxes it holds (`dist.shards`) and reads, with ranged reads, only their
+overlaps with the saved chunks (`core.read.read_box`). With `broadcast_shared`, the boxes several
+ranks want (HSDP replicas, replicated tensors) are found from one gather of every rank's wanted
+boxes; each is read from storage by one of its holders, chosen to balance bytes (largest first,
+the least-loaded holder), and sent to the others in batches. So the job reads every distinct box
+once: `LoadResult.read_amplification` is 1.0 for row-sharded targets.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from hpckpt.converters import open_index
+from hpckpt.core.box import Box
+from hpckpt.core.errors import EntryMismatchError
+from hpckpt.core.lock import reading
+from hpckpt.core.read import OpenFiles, read_box
+from hpckpt.dist.flatten import flatten, set_path
+from hpckpt.dist.job import this_job
+from hpckpt.dist.results import LoadResult
+from hpckpt.dist.shards import as_numpy, from_numpy, is_tensor, shards_of
+
+BATCH_BYTES = 64 * 1024 * 1024  # one broadcast carries boxes up to this many bytes (one box may be larger)
+
+
+class _Target:
+    """One box this rank wants: the checkpoint entry, the local tensor to fill and its box."""
+
+    __slots__ = ("fqn", "entry", "box", "tensor", "nbytes")
+
+    def __init__(self, fqn, entry, box: Box, tensor: torch.Tensor):
+        self.fqn, self.entry, self.box, self.tensor = fqn, entry, box, tensor
+        self.nbytes = box.volume * entry.dtype.itemsize
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _fill(target: _Target, index, files: OpenFiles) -> tuple[str, str] | None:
+    """Read the target's box from storage into its tensor; returns a dtype conversion made."""
+    t, entry = target.tensor, target.entry
+    source = _torch_dtype(entry.dtype.name)
+    if t.dtype == source and t.device.type == "cpu" and t.is_contiguous():
+        read_box(index, entry, target.box, files, out=as_numpy(t))
+        return None
+    array = read_box(index, entry, target.box, files)
+    t.copy_(from_numpy(array, source).reshape(t.shape))
+    return None if t.dtype == source else (target.fqn, f"{entry.dtype.name} -> {str(t.dtype).removeprefix('torch.')}")
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    flat = t.contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def load(state_dict: Any, checkpoint_id: str | Path, *, process_group: Any = None, broadcast_shared: bool = True,
+         strict: bool = True) -> LoadResult:
+    """Fill the tensors of `state_dict` (DTensors, plain tensors, tensors with `chunk_info`, in
+    nested dicts and lists) in place from `checkpoint_id`, and replace its non-tensor values.
+
+    Any format hpckpt reads and any saved layout and world size; dtypes are converted on the
+    copy where they differ (reported in `converted`). Every rank calls it.
+
+    Raises:
+        EntryMismatchError: an entry the state dict has is missing from the checkpoint (`strict`),
+            or has another global shape.
+    """
+    started = time.perf_counter()
+    job = this_job(process_group, need_collectives=True)
+    path = Path(checkpoint_id)
+    with reading(path):
+        index = open_index(path)
+        flat, paths = flatten(state_dict, is_tensor)
+        targets: list[_Target] = []
+        missing, values = [], []
+        for fqn, obj in flat.items():
+            if is_tensor(obj):
+                entry = index.tensors.get(fqn)
+                if entry is None:
+                    missing.append(fqn)
+                    continue
+                shards = shards_of(fqn, obj)
+                if tuple(shards.shape) != tuple(entry.shape):
+                    raise EntryMismatchError(f"{fqn}: the checkpoint holds it as {list(entry.shape)}, the state dict "
+                                             f"as {list(shards.shape)}")
+                targets += [_Target(fqn, entry, box, t) for box, t in shards.pieces if not box.is_empty]
+            elif fqn in index.values:
+                values.append(fqn)
+            else:
+                missing.append(fqn)
+        if missing and strict:
+            shown = ", ".join(repr(m) for m in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise EntryMismatchError(f"{path}: the checkpoint has no {shown}",
+                                     hint="load(..., strict=False) loads the rest and reports them in `missing`")
+        wanted = set(flat)
+        unused = tuple(n for n in (*index.tensors, *index.values) if n not in wanted)
+        readers, shared = _assign(targets, job) if broadcast_shared and job.world_size > 1 else ({}, [])
+        converted = []
+        with OpenFiles() as files:
+            for i, target in enumerate(targets):
+                if readers.get(i, job.rank) == job.rank:
+                    made = _fill(target, index, files)
+                    if made:
+                        converted.append(made)
+            bytes_read = files.bytes_read
+        received = _broadcast(shared, targets, job) if shared else 0
+        for fqn in values:
+            set_path(state_dict, paths[fqn], index.decode_value(fqn))
+    job_read, job_wanted = _totals(bytes_read, targets, job)
+    return LoadResult(path, job.rank, job.world_size, index.format, len({t.fqn for t in targets}), len(values),
+                      bytes_read, received, job_read, job_wanted, (job_read / job_wanted) if job_wanted else 1.0,
+                      tuple(missing), unused, tuple(converted), time.perf_counter() - started)
+
+
+def _wanted(targets: list[_Target]) -> list[list]:
+    return [[t.fqn, list(t.box.offsets), list(t.box.sizes), t.nbytes] for t in targets]
+
+
+def _assign(targets: list[_Target], job) -> tuple[dict[int, int], list[tuple[tuple[int, ...], int, list]]]:
+    """Who reads each box several ranks want, and the broadcasts that carry it to the others.
+
+    Returns this rank's reader per target position, and the shared boxes as
+    `(holders, reader, [(fqn, offsets, sizes)])` batches in one order every rank agrees on."""
+    everyone = job.collectives().all_gather("load-wanted", _wanted(targets))
+    holders: dict[tuple, list[int]] = defaultdict(list)
+    nbytes: dict[tuple, int] = {}
+    for rank, boxes in enumerate(everyone):
+        for fqn, offsets, sizes, n in boxes:
+            key = (fqn, tuple(offsets), tuple(sizes))
+            holders[key].append(rank)
+            nbytes[key] = n
+    load = [0] * job.world_size
+    for key, ranks in holders.items():
+        if len(ranks) == 1:
+            load[ranks[0]] += nbytes[key]
+    reader: dict[tuple, int] = {}
+    for key in sorted((k for k, r in holders.items() if len(r) > 1), key=lambda k: (-nbytes[k], k)):
+        best = min(holders[key], key=lambda r: (load[r], r))
+        reader[key] = best
+        load[best] += nbytes[key]
+    mine = {}
+    for i, t in enumerate(targets):
+        key = (t.fqn, t.box.offsets, t.box.sizes)
+        if key in reader:
+            mine[i] = reader[key]
+    groups: dict[tuple[tuple[int, ...], int], list] = defaultdict(list)
+    for key in sorted(reader):
+        groups[(tuple(holders[key]), reader[key])].append(key)
+    batches = []
+    for (ranks, src), keys in sorted(groups.items()):
+        batch, size = [], 0
+        for key in keys:
+            if batch and size + nbytes[key] > BATCH_BYTES:
+                batches.append((ranks, src, batch))
+                batch, size = [], 0
+            batch.append(key)
+            size += nbytes[key]
+        if batch:
+            batches.append((ranks, src, batch))
+    return mine, batches
+
+
+def _broadcast(batches, targets: list[_Target], job) -> int:
+    """Send each shared box from its reader to the other holders; returns the bytes received."""
+    by_key = defaultdict(list)
+    for t in targets:
+        by_key[(t.fqn, t.box.offsets, t.box.sizes)].append(t)
+    sets = sorted({ranks for ranks, _src, _keys in batches})
+    world = tuple(range(job.world_size))
+    groups = {}
+    for ranks in sets:  # every rank creates every group, in the same order (torch requires it)
+        if ranks == world:
+            groups[ranks] = job.group
+        else:
+            global_ranks = [job.global_rank(r) for r in ranks]
+            groups[ranks] = tdist.new_group(global_ranks, group_desc="hpckpt_load_broadcast")
+    received = 0
+    try:
+        for ranks, src, keys in batches:
+            if job.rank not in ranks:
+                continue
+            mine = [by_key[k][0] for k in keys]
+            sizes = [_as_bytes(t.tensor).numel() for t in mine]
+            buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+            if job.rank == src:
+                at = 0
+                for t, n in zip(mine, sizes):
+                    buffer[at:at + n] = _as_bytes(t.tensor)
+                    at += n
+            tdist.broadcast(buffer, src=job.global_rank(src), group=groups[ranks])
+            if job.rank != src:
+                at = 0
+                for t, n in zip(mine, sizes):
+                    for same in by_key[(t.fqn, t.box.offsets, t.box.sizes)]:
+                        same.tensor.copy_(buffer[at:at + n].clone().view(same.tensor.dtype).reshape(same.tensor.shape))
+                    at += n
+                received += buffer.numel()
+    finally:
+        for ranks, group in groups.items():
+            if ranks != world:
+                tdist.destroy_process_group(group)
+    return received
+
+
+def _totals(bytes_read: int, targets: list[_Target], job) -> tuple[int, int]:
+    """The job's bytes read and the bytes of its distinct wanted boxes (each counted once)."""
+    distinct = {(t.fqn, t.box.offsets, t.box.sizes): t.nbytes for t in targets}
+    if job.world_size == 1:
+        return bytes_read, sum(distinct.values())
+    answers = job.collectives().all_gather("load-totals", {"read": bytes_read, "wanted": [[f, list(o), list(s), n]
+                                                            for (f, o, s), n in distinct.items()]})
+    every = {}
+    for a in answers:
+        for f, o, s, n in a["wanted"]:
+            every[(f, tuple(o), tuple(s))] = n
+    return sum(a["read"] for a in answers), sum(every.values())
+

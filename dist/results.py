@@ -1,0 +1,80 @@
+"""What `save`, `async_save` and `load` return."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """One rank's view of a save.
+
+    `committed` is True on the coordinator once the checkpoint is in place; on the other ranks
+    it says every rank's data was durable when they last heard (the coordinator then renames).
+    `plan_cache` is "hit", "miss" or "off". Byte counts are this rank's; `job_bytes_written`
+    all ranks'. Times in seconds: `planning` (gather + global plan), `writing` (this rank's
+    files, fsynced), `blocked` (what the caller waited: all of it for `save`, the staging copy
+    for `async_save`).
+    """
+
+    path: Path
+    rank: int
+    world_size: int
+    coordinator: int
+    coordination: str
+    plan_cache: str
+    files: tuple[str, ...]
+    bytes_written: int
+    job_bytes_written: int
+    committed: bool
+    planning: float = 0.0
+    writing: float = 0.0
+    blocked: float = 0.0
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """One rank's view of a load, with the job's totals.
+
+    `bytes_read` is what this rank read from storage; `bytes_broadcast` what it received from
+    peers; `job_bytes_read` / `job_bytes_wanted` are over every rank, `wanted` counting each
+    distinct box once; `read_amplification` = job_bytes_read / job_bytes_wanted (1.0: nothing
+    read twice). `missing`: target entries the checkpoint lacks (only with strict=False);
+    `unused`: checkpoint entries the target does not ask for; `converted`: tensors whose dtype
+    was converted on the copy, as `(fqn, "from -> to")`.
+    """
+
+    path: Path
+    rank: int
+    world_size: int
+    format: str
+    tensors: int
+    values: int
+    bytes_read: int
+    bytes_broadcast: int
+    job_bytes_read: int
+    job_bytes_wanted: int
+    read_amplification: float
+    missing: tuple[str, ...] = ()
+    unused: tuple[str, ...] = ()
+    converted: tuple[tuple[str, str], ...] = ()
+    seconds: float = 0.0
+
+
+@dataclass
+class AsyncSaveHandle:
+    """A save persisting in the background: `result(timeout)` waits and returns its SaveResult
+    or raises its error (and then no checkpoint was committed); `done()` does not wait."""
+
+    _future: Future = field(repr=False)
+    blocked: float = 0.0
+    _thread: threading.Thread | None = field(default=None, repr=False)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> SaveResult:
+        return self._future.result(timeout)

@@ -1,0 +1,465 @@
+"""`save` and `async_save`: every rank writes its own shards; the coordinator commits.
+
+1. Each rank describes what it holds (`LocalPlan`) and checks that each value can be read back by
+   hpckpt's safe unpickler, before any byte is written.
+2. The coordinator takes the destination's lock and creates the staging directory every rank
+   shares (`.NAME.hpckpt-tmp-dist`, `core.commit.Staging`), removing what a killed save left.
+3. The local plans are gathered (`coordination`), and every rank builds the same global plan
+   (`core.global_plan`), or takes it from the plan cache when every rank's part is unchanged.
+4. Each rank writes the files of the boxes it stores through the HyperParallel writer and the
+   engine (`core.engine`), fsynced, and reports them.
+5. Once every rank has reported, the coordinator checks the files, writes `.metadata` last and
+   renames the staging directory into place. Until then there is nothing at the destination
+   that loads or verifies; a job that dies leaves only the staging directory, which the next
+   save to the same path removes.
+
+`async_save` does steps 1-3 in the caller (with a CPU copy of the shards, in pinned memory when
+they are on an accelerator), returns, and does 4-5 on a thread; its exchanges from then on go
+through files, never through the training job's process group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpckpt.converters.base import WriterOptions
+from hpckpt.converters.hyperparallel.writer import HyperParallelWriter, value_payload
+from hpckpt.core import engine
+from hpckpt.core.commit import Staging
+from hpckpt.core.durable import write_error
+from hpckpt.core.errors import HpckptError, UnsafePickleError, UnsupportedDTypeError
+from hpckpt.core.global_plan import DEDUP_MODES, GlobalPlan, LocalPlan, LocalValue, build_global_plan, plan_key
+from hpckpt.core.dtypes import dtype as parse_dtype
+from hpckpt.core.memory_source import MemoryTensor, memory_index
+from hpckpt.core.plan import PlannedValue, plan_as_given
+from hpckpt.core.output import Finished
+from hpckpt.core.unpickle import loads
+from hpckpt.dist.coordination import (
+    DEFAULT_TIMEOUT,
+    START,
+    Restarted,
+    Storage,
+    new_nonce,
+    wait_for_start,
+    write_json,
+)
+from hpckpt.dist.flatten import flatten
+from hpckpt.dist.job import Job, job_identity, this_job
+from hpckpt.dist.results import AsyncSaveHandle, SaveResult
+from hpckpt.dist.shards import as_numpy, is_tensor, shards_of
+
+COORDINATIONS = ("collectives", "storage", "none")
+_CACHE_SIZE = 8
+_plan_cache: dict[str, GlobalPlan] = {}  # key -> plan, oldest first
+_last_digest: dict[tuple, str] = {}  # (path, rank, world) -> this rank's digest at its last save there
+_sequence: dict[str, int] = {}  # path -> saves this process made to it (every rank makes the same)
+_in_flight: list[AsyncSaveHandle] = []
+_lock = threading.Lock()
+
+
+class SaveError(HpckptError):
+    """A rank of the save failed; every rank raises it, and nothing was committed."""
+
+    exit_code = 19
+    kind = "save-failed"
+
+
+@dataclass
+class _Local:
+    """What this rank saves: its plan, the arrays of its shards and its values' pickles."""
+
+    plan: LocalPlan
+    tensors: dict[str, MemoryTensor]
+    payloads: dict[str, bytes]
+    rows: list  # (fqn, dtype name, shape, boxes) per tensor
+    paths: dict[str, tuple]
+
+
+def _staged_copy(local: torch.Tensor, pinned: bool) -> torch.Tensor:
+    copy = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pinned)
+    copy.copy_(local, non_blocking=pinned)
+    return copy
+
+
+def _describe(state_dict: Any, rank: int, *, stage: bool) -> _Local:
+    """Flatten the state dict, find each tensor's boxes, pickle each value (and prove hpckpt's
+    safe unpickler reads it back). `stage`: copy every shard (async_save)."""
+    flat, paths = flatten(state_dict, is_tensor)
+    rows, tensors, payloads, values = [], {}, {}, []
+    accelerated = False
+    for fqn, obj in flat.items():
+        if is_tensor(obj):
+            shards = shards_of(fqn, obj)
+            if shards.dtype.refusal:
+                raise UnsupportedDTypeError(f"{fqn}: {shards.dtype.name} cannot be saved: {shards.dtype.refusal}")
+            pieces = []
+            for box, t in shards.pieces:
+                if t.device.type != "cpu":
+                    accelerated = True
+                if stage:
+                    t = _staged_copy(t, pinned=t.device.type != "cpu" and torch.cuda.is_available())
+                elif t.device.type != "cpu":
+                    t = t.cpu()
+                pieces.append((box, as_numpy(t)))
+            rows.append((fqn, shards.dtype.name, shards.shape, [b for b, _ in pieces]))
+            if pieces:
+                tensors[fqn] = MemoryTensor(shards.dtype, shards.shape, pieces)
+        else:
+            try:
+                payload = value_payload(obj, fqn)
+                loads(payload, what=f"value {fqn}")
+            except (HpckptError, pickle.PicklingError, AttributeError, TypeError) as exc:
+                raise UnsafePickleError(
+                    f"{fqn}: a {type(obj).__name__} value cannot be saved: hpckpt's safe unpickler would not read "
+                    f"it back ({exc.message if isinstance(exc, HpckptError) else exc})",
+                    hint="save plain Python values (numbers, strings, lists, dicts, tuples) or tensors") from None
+            payloads[fqn] = payload
+            values.append(LocalValue(fqn, len(payload), hashlib.sha256(payload).hexdigest()))
+    if accelerated and stage:
+        torch.accelerator.synchronize() if hasattr(torch, "accelerator") else torch.cuda.synchronize()
+    return _Local(LocalPlan.build(rank, rows, values, paths), tensors, payloads, rows, paths)
+
+
+def _save_id(path: Path, job: Job) -> str:
+    """The same name for this save on every rank: the job's identity and how many saves to this
+    path it made before (every rank makes the same sequence of saves)."""
+    identity = job_identity()
+    if identity is None:
+        raise ValueError("storage coordination needs a job identity shared by every rank: set HPCKPT_JOB_ID "
+                         "(torchrun sets TORCHELASTIC_RUN_ID)")
+    return f"{identity}#{job.world_size}#{_sequence.get(str(path), 0)}"
+
+
+def _errors(answers: list[dict], what: str) -> None:
+    """Raise on every rank when some rank reported an error."""
+    failed = [(r, a["error"]) for r, a in enumerate(answers) if a.get("error")]
+    if failed:
+        rank, message = failed[0]
+        more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
+        raise SaveError(f"{what}: rank {rank}: {message}{more}", hint="nothing was committed")
+
+
+def _error_text(exc: BaseException) -> str:
+    return exc.message if isinstance(exc, HpckptError) else f"{type(exc).__name__}: {exc}"
+
+
+class _Save:
+    """One save, from planning to commit, on one rank."""
+
+    def __init__(self, state_dict, checkpoint_id, *, process_group, coordinator, coordination, dedup, plan_cache,
+                 timeout, asynchronous):
+        if coordination not in COORDINATIONS:
+            raise ValueError(f"coordination must be one of {', '.join(COORDINATIONS)}, not {coordination!r}")
+        if dedup not in DEDUP_MODES:
+            raise ValueError(f"dedup must be one of {', '.join(DEDUP_MODES)}, not {dedup!r}")
+        self.started = time.perf_counter()
+        self.path = Path(checkpoint_id).absolute()
+        self.coordination, self.dedup = coordination, dedup
+        self.timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+        self.job = this_job(process_group, need_collectives=coordination == "collectives")
+        if not 0 <= coordinator < self.job.world_size:
+            raise ValueError(f"coordinator {coordinator} is not a rank of this job of {self.job.world_size}")
+        self.coordinator = coordinator
+        self.is_coordinator = self.job.rank == coordinator
+        self.use_cache = plan_cache and coordination != "none"
+        self.asynchronous = asynchronous
+        self.staging: Staging | None = None
+        self.staging_path = self.path.parent / f".{self.path.name}.hpckpt-tmp-dist"
+        self.local_error: BaseException | None = None
+        self.local: _Local | None = None
+        try:
+            self.local = _describe(state_dict, self.job.rank, stage=asynchronous)
+        except Exception as exc:  # reported to every rank in the first exchange
+            self.local_error = exc
+        self.cache_state = "off"
+        self.planning = 0.0
+
+    # -- steps 2-3 ----------------------------------------------------------------------------
+
+    def plan(self) -> None:
+        key = str(self.path)
+        self.save_id = _save_id(self.path, self.job) if self.coordination == "storage" else ""
+        _sequence[key] = _sequence.get(key, 0) + 1
+        if self.coordination == "none":
+            return self._plan_rank_local()
+        for _attempt in range(3):
+            try:
+                return self._plan_together()
+            except Restarted:
+                continue
+        raise SaveError("storage coordination: the coordinator restarted the save three times")
+
+    def _open_staging(self) -> str:
+        """The coordinator: the destination locked, a fresh shared staging directory, its nonce."""
+        self.staging = Staging(self.path, force=True, sync=True, parents=True, shared=True)
+        self.staging.__enter__()
+        nonce = new_nonce()
+        write_json(self.staging.path / START, {"nonce": nonce, "save": self.save_id})
+        return nonce
+
+    def _plan_together(self) -> None:
+        t0 = time.perf_counter()
+        nonce, setup_error = "", None
+        if self.is_coordinator and (self.local_error is None or self.coordination == "storage"):
+            try:
+                nonce = self._open_staging()
+            except Exception as exc:
+                setup_error = exc
+        if self.coordination == "storage" and not self.is_coordinator:
+            nonce = wait_for_start(self.staging_path, self.save_id, self.timeout)
+        if self.coordination == "storage" and self.is_coordinator and not nonce:
+            raise setup_error or self.local_error  # the others time out waiting for the start
+        self.nonce = nonce
+        exchange = self._exchange()
+        error = self.local_error or setup_error
+        digest = self.local.plan.digest() if self.local else ""
+        cache_key = (str(self.path), self.job.rank, self.job.world_size)
+        expect_hit = self.use_cache and _last_digest.get(cache_key) == digest
+        mine = {"error": _error_text(error) if error else None, "nonce": nonce, "digest": digest,
+                "plan": None if (expect_hit or error) else self.local.plan.to_json()}
+        answers = exchange.all_gather("plan", mine, "send its plan")
+        if error is not None:
+            raise error  # this rank's own error as it is; the others raise a SaveError naming this rank
+        _errors(answers, "save refused before writing")
+        self.nonce = answers[self.coordinator]["nonce"]
+        key = plan_key([a["digest"] for a in answers], {"dedup": self.dedup, "world_size": self.job.world_size})
+        cached = _plan_cache.get(key) if self.use_cache else None
+        if cached is not None:
+            self.global_plan, self.cache_state = cached, "hit"
+        else:
+            if any(a["plan"] is None for a in answers):
+                answers = exchange.all_gather("plan-full", {"plan": self.local.plan.to_json()}, "send its plan")
+            plans = [LocalPlan.from_json(a["plan"]) for a in answers]
+            self.global_plan = build_global_plan(plans, dedup=self.dedup, key=key)
+            self.cache_state = "miss" if self.use_cache else "off"
+            if self.use_cache:
+                _plan_cache[key] = self.global_plan
+                while len(_plan_cache) > _CACHE_SIZE:
+                    _plan_cache.pop(next(iter(_plan_cache)))
+        if self.use_cache:
+            _last_digest[cache_key] = digest
+        self.planning = time.perf_counter() - t0
+
+    def _exchange(self):
+        if self.coordination == "storage":
+            return Storage(self.staging_path, self.job.rank, self.job.world_size, self.nonce, self.timeout)
+        return self.job.collectives()
+
+    def _plan_rank_local(self) -> None:
+        """`coordination="none"`: this rank's items alone, no de-dup, `{rank}.metadata`."""
+        if self.local_error is not None:
+            raise self.local_error
+        rank = self.job.rank
+        self.rank_local_plan = plan_as_given(
+            {fqn: (parse_dtype(dt), shape, [(rank, box) for box in boxes]) for fqn, dt, shape, boxes in self.local.rows},
+            rank + 1, values=[PlannedValue(fqn, rank) for fqn in self.local.payloads],
+            nesting=self.local.paths, producing=(rank,))
+        self.lengths = {fqn: len(p) for fqn, p in self.local.payloads.items()}
+        self.cache_state = "off"
+
+    # -- steps 4-5 ----------------------------------------------------------------------------
+
+    def persist(self) -> SaveResult:
+        try:
+            if self.coordination == "none":
+                return self._persist_rank_local()
+            return self._persist_together()
+        finally:
+            if self.staging is not None:
+                self.staging.__exit__(None, None, None)  # removes it unless committed; releases the lock
+
+    def _write_own(self, plan, directory: Path, lengths) -> tuple[list[list], int]:
+        """This rank's files of `plan` (the boxes it stores, the values it stores) in `directory`."""
+        own = {v.fqn: self.local.payloads[v.fqn] for v in plan.values if v.rank in plan.producing}
+        writer = HyperParallelWriter(WriterOptions(framework="torch"), value_lengths=lengths, payloads=own)
+        layout = writer.layout(plan, {})
+        source = memory_index(self.local.tensors, framework="torch")
+        try:
+            engine.execute(layout, source, directory, sync=True)
+            engine.finish(layout, Finished(()), directory, sync=True)
+        except BaseException as exc:
+            for f in layout.files:  # what this rank began: on a full disk, the room to report the error
+                (directory / f.name).unlink(missing_ok=True)
+            if isinstance(exc, OSError) and not isinstance(exc, HpckptError):
+                raise write_error(exc, directory, layout.nbytes) from None
+            raise
+        files = [[f.name, f.size] for f in layout.files]
+        return files, sum(f.size for f in layout.files)
+
+    def _persist_together(self) -> SaveResult:
+        t0 = time.perf_counter()
+        gp = self.global_plan
+        rank = self.job.rank
+        mine: dict = {"error": None, "files": [], "bytes": 0}
+        if self.asynchronous or self.coordination == "storage":
+            exchange = Storage(self.staging_path, rank, self.job.world_size, self.nonce, self.timeout)
+        else:
+            exchange = self.job.collectives()
+        try:
+            plan = replace(gp.plan([rank]), producing=(rank,))
+            mine["files"], mine["bytes"] = self._write_own(plan, self.staging_path, gp.value_lengths)
+        except Exception as exc:
+            mine["error"] = _error_text(exc)
+        writing = time.perf_counter() - t0
+        answers = exchange.all_gather("done", mine, "report its files written")
+        _errors(answers, "save failed while writing")
+        if isinstance(exchange, Storage):  # the coordinator renames only after every rank has seen this
+            if self.is_coordinator:
+                exchange.all_gather("seen", {}, "confirm the results")
+            else:
+                exchange.publish("seen", {})
+        committed_error = None
+        if self.is_coordinator:
+            try:
+                self._commit(answers)
+            except Exception as exc:
+                committed_error = exc
+        if not isinstance(exchange, Storage):
+            outcome = exchange.all_gather("outcome", {"error": _error_text(committed_error) if committed_error else None})
+            _errors(outcome, "save failed at the commit")
+        elif committed_error is not None:
+            raise committed_error
+        files = tuple(name for name, _size in mine["files"])
+        total = sum(a["bytes"] for a in answers)
+        return SaveResult(self.path, rank, self.job.world_size, self.coordinator, self.coordination, self.cache_state,
+                          files, mine["bytes"], total, True, self.planning, writing,
+                          time.perf_counter() - self.started)
+
+    def _commit(self, answers: list[dict]) -> None:
+        """The coordinator: every data file there with the size its rank reported, protocol and
+        stale files gone, `.metadata` last, one rename."""
+        full = self.global_plan.plan()
+        writer = HyperParallelWriter(WriterOptions(framework="torch"), value_lengths=self.global_plan.value_lengths)
+        writer.layout(replace(full, producing=()), {})
+        expected = set(writer.expected_files(full))
+        reported = {name: size for a in answers for name, size in a["files"]}
+        staging = self.staging.path
+        for name in sorted(expected):
+            size = reported.get(name)
+            actual = os.stat(staging / name).st_size if (staging / name).exists() else None
+            if size is None or actual != size:
+                raise SaveError(f"{name}: expected in the staging directory with {size} bytes, found {actual}")
+        for name in os.listdir(staging):
+            if name not in expected:
+                (staging / name).unlink()  # exchange files, and anything a killed save left
+        self.staging.write_metadata(writer.finish({}).metadata)
+        self.staging.commit()
+
+    def _persist_rank_local(self) -> SaveResult:
+        """`coordination="none"`: this rank's data files and `{rank}.metadata` (last), each
+        written aside and renamed, straight into the destination (no rank waits for another)."""
+        t0 = time.perf_counter()
+        rank = self.job.rank
+        self.path.mkdir(parents=True, exist_ok=True)
+        plan = self.rank_local_plan
+        tmp = self.path / f".hpckpt-tmp-{os.getpid()}"
+        tmp.mkdir(exist_ok=True)
+        try:
+            files, nbytes = self._write_own(plan, tmp, self.lengths)
+            writer = HyperParallelWriter(WriterOptions(framework="torch"), value_lengths=self.lengths)
+            writer.layout(replace(plan, producing=()), {})
+            metadata = dict(writer.finish({}).metadata)[".metadata"]
+            for name, _size in files:
+                os.replace(tmp / name, self.path / name)
+            from hpckpt.core.durable import fsync_path, write_file
+            write_file(tmp / f"{rank}.metadata", metadata, True)
+            os.replace(tmp / f"{rank}.metadata", self.path / f"{rank}.metadata")
+            fsync_path(self.path)
+        finally:
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
+        return SaveResult(self.path, rank, self.job.world_size, rank, "none", "off",
+                          tuple(n for n, _ in files) + (f"{rank}.metadata",), nbytes, nbytes, True, self.planning,
+                          time.perf_counter() - t0, time.perf_counter() - self.started)
+
+
+def _wait_in_flight() -> None:
+    with _lock:
+        pending = list(_in_flight)
+    for handle in pending:
+        try:
+            handle.result()
+        except BaseException:
+            pass  # its own caller sees its error
+
+
+def save(state_dict: Any, checkpoint_id: str | os.PathLike, *, process_group: Any = None, coordinator: int = 0,
+         coordination: str = "collectives", dedup: str = "balanced", plan_cache: bool = True,
+         timeout: float | None = None) -> SaveResult:
+    """Save `state_dict` (every rank calls this with its own shards) as a HyperParallel
+    checkpoint at `checkpoint_id`, replacing a checkpoint there.
+
+    `coordination`: "collectives" (object gathers over `process_group`, default the world),
+    "storage" (no collectives: JSON files in the staging directory; every wait bounded by
+    `timeout` seconds, default 600) or "none" (each rank writes `{rank}.metadata` of its own
+    items). `dedup`: who stores a box several ranks hold: "balanced" (least bytes, as
+    HyperParallel), "lowest-rank" or "none" (every holder). `plan_cache`: reuse the global plan
+    when no rank's names, dtypes, shapes, layouts or values changed.
+
+    Raises:
+        SaveError: some rank failed (every rank raises it; nothing was committed).
+        CoordinationTimeoutError: some ranks did not arrive within `timeout` (storage).
+        UnsafePickleError: a value hpckpt's safe unpickler would not read back (before any byte is written).
+    """
+    job = _planned(state_dict, checkpoint_id, dict(process_group=process_group, coordinator=coordinator,
+                   coordination=coordination, dedup=dedup, plan_cache=plan_cache, timeout=timeout), asynchronous=False)
+    return job.persist()
+
+
+def _planned(state_dict: Any, checkpoint_id, options: dict, *, asynchronous: bool) -> _Save:
+    """Steps 1-3, after any save in flight has finished; the staging directory is released if they fail."""
+    _wait_in_flight()
+    job = _Save(state_dict, checkpoint_id, asynchronous=asynchronous, **options)
+    try:
+        job.plan()
+    except BaseException:
+        if job.staging is not None:
+            job.staging.__exit__(None, None, None)
+        raise
+    return job
+
+
+def async_save(state_dict: Any, checkpoint_id: str | os.PathLike, *, process_group: Any = None, coordinator: int = 0,
+               coordination: str = "collectives", dedup: str = "balanced", plan_cache: bool = True,
+               timeout: float | None = None) -> AsyncSaveHandle:
+    """`save`, returning once this rank's shards are copied (the caller may change its tensors
+    then) and persisting on a background thread; `result(timeout)` returns its SaveResult or
+    raises its error (then nothing was committed).
+
+    A second call while one is in flight waits for the first to finish (saves of one process
+    persist one at a time, in order). From the copy on, the save exchanges only files, never
+    collectives, so the training job's process group is free.
+    """
+    started = time.perf_counter()
+    job = _planned(state_dict, checkpoint_id, dict(process_group=process_group, coordinator=coordinator,
+                   coordination=coordination, dedup=dedup, plan_cache=plan_cache, timeout=timeout), asynchronous=True)
+    future: Future = Future()
+    blocked = time.perf_counter() - started
+
+    def run() -> None:
+        try:
+            result = job.persist()
+            future.set_result(replace(result, blocked=blocked))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through result()
+            future.set_exception(exc)
+        finally:
+            with _lock:
+                if handle in _in_flight:
+                    _in_flight.remove(handle)
+
+    thread = threading.Thread(target=run, name="hpckpt-async-save", daemon=False)
+    handle = AsyncSaveHandle(future, blocked, thread)
+    with _lock:
+        _in_flight.append(handle)
+    thread.start()
+    return handle
