@@ -87,20 +87,32 @@ def read_json(path: Path) -> Any | None:
 
 
 class Storage:
-    """Exchanges through files in the staging directory shared by every rank."""
+    """Exchanges through files in the staging directory shared by every rank.
+
+    The coordinator gathers first and then publishes its own answer, which lists the token each
+    rank sent (a random one per save attempt); the other ranks accept a phase only when the
+    coordinator's answer lists their own token, and take each peer's file only with the token
+    listed for it. So files a killed attempt left (same job, same save, other processes) are
+    never taken for this one's, even before the coordinator arrives to remove them.
+    """
 
     kind = "storage"
 
-    def __init__(self, directory: Path, rank: int, world_size: int, nonce: str, timeout: float):
+    def __init__(self, directory: Path, rank: int, world_size: int, nonce: str, timeout: float, *,
+                 coordinator: int = 0, token: str = ""):
         self.directory, self.rank, self.world_size = Path(directory), rank, world_size
-        self.nonce, self.timeout = nonce, timeout
+        self.nonce, self.timeout, self.coordinator = nonce, timeout, coordinator
+        self.token = token or new_nonce()
 
     def _path(self, phase: str, rank: int) -> Path:
         return self.directory / f"{PROTOCOL_PREFIX}{phase}-{rank}.json"
 
-    def publish(self, phase: str, obj: Any) -> None:
+    def publish(self, phase: str, obj: Any, tokens: dict | None = None) -> None:
+        doc = {"nonce": self.nonce, "token": self.token, "data": obj}
+        if tokens is not None:
+            doc["tokens"] = tokens
         try:
-            write_json(self._path(phase, self.rank), {"nonce": self.nonce, "data": obj})
+            write_json(self._path(phase, self.rank), doc)
         except FileNotFoundError:
             self._check_restarted()
             raise
@@ -110,23 +122,22 @@ class Storage:
         if start is not None and start.get("nonce") != self.nonce:
             raise Restarted()
 
-    def collect(self, phase: str, what: str) -> list[Any]:
-        """Every rank's object of `phase`, waiting at most `timeout` for them."""
-        found: dict[int, Any] = {}
+    def _read(self, phase: str, rank: int) -> dict | None:
+        doc = read_json(self._path(phase, rank))
+        if isinstance(doc, dict) and doc.get("nonce") == self.nonce:
+            return doc
+        return None
+
+    def _wait(self, ready, what: str, waiting_for) -> Any:
         deadline = time.monotonic() + self.timeout
         pause = 0.002
         while True:
-            for r in range(self.world_size):
-                if r not in found:
-                    doc = read_json(self._path(phase, r))
-                    if isinstance(doc, dict) and doc.get("nonce") == self.nonce:
-                        found[r] = doc.get("data")
-            if len(found) == self.world_size:
-                return [found[r] for r in range(self.world_size)]
+            answer = ready()
+            if answer is not None:
+                return answer
             if time.monotonic() > deadline:
-                missing = [r for r in range(self.world_size) if r not in found]
                 raise CoordinationTimeoutError(
-                    f"storage coordination: {_ranks(missing)} did not {what} within {self.timeout:g} s "
+                    f"storage coordination: {_ranks(waiting_for())} did not {what} within {self.timeout:g} s "
                     f"(waiting in {self.directory})",
                     hint="a rank died or hangs; no checkpoint was committed")
             self._check_restarted()
@@ -134,11 +145,49 @@ class Storage:
             pause = min(pause * 1.5, 0.05)
 
     def all_gather(self, phase: str, obj: Any, what: str | None = None) -> list[Any]:
+        """Every rank's object of `phase`, each wait at most `timeout`."""
+        what = what or f"reach '{phase}'"
+        peers = [r for r in range(self.world_size) if r != self.coordinator]
+        found: dict[int, dict] = {}
+        if self.rank == self.coordinator:
+            def everyone():
+                for r in peers:
+                    if r not in found:
+                        doc = self._read(phase, r)
+                        if doc is not None:
+                            found[r] = doc
+                return found if len(found) == len(peers) else None
+            self._wait(everyone, what, lambda: [r for r in peers if r not in found])
+            tokens = {str(r): found[r]["token"] for r in peers}
+            self.publish(phase, obj, tokens)
+            found[self.rank] = {"data": obj}
+            return [found[r]["data"] for r in range(self.world_size)]
         self.publish(phase, obj)
-        return self.collect(phase, what or f"reach '{phase}'")
+        coordinator: dict = {}
+
+        def listed():
+            if not coordinator:
+                doc = self._read(phase, self.coordinator)
+                if doc is None or doc.get("tokens", {}).get(str(self.rank)) != self.token:
+                    return None
+                coordinator.update(doc)
+            tokens = coordinator["tokens"]
+            for r in peers:
+                if r not in found:
+                    doc = self._read(phase, r)
+                    if doc is not None and doc.get("token") == tokens.get(str(r)):
+                        found[r] = doc
+            return found if len(found) == len(peers) else None
+        def absent() -> list[int]:  # the ranks with no file of this attempt, else the coordinator
+            missing = [r for r in range(self.world_size) if r != self.rank and self._read(phase, r) is None]
+            return missing or [self.coordinator]
+        self._wait(listed, what, absent)
+        found[self.coordinator] = coordinator
+        found[self.rank] = {"data": obj}
+        return [found[r]["data"] for r in range(self.world_size)]
 
 
-def wait_for_start(directory: Path, save_id: str, timeout: float) -> str:
+def wait_for_start(directory: Path, save_id: str, timeout: float, coordinator: int = 0) -> str:
     """A rank other than the coordinator: the nonce of save `save_id`, once the coordinator has
     created the staging directory for it."""
     deadline = time.monotonic() + timeout
@@ -149,7 +198,8 @@ def wait_for_start(directory: Path, save_id: str, timeout: float) -> str:
             return start["nonce"]
         if time.monotonic() > deadline:
             raise CoordinationTimeoutError(
-                f"storage coordination: the coordinator did not start save {save_id} within {timeout:g} s "
+                f"storage coordination: rank {coordinator} (the coordinator) did not start save {save_id} within "
+                f"{timeout:g} s "
                 f"(waiting for {directory / START})",
                 hint="the coordinator died, hangs, or runs another sequence of saves; no checkpoint was committed")
         time.sleep(pause)

@@ -184,17 +184,19 @@ def _broadcast(batches, targets: list[_Target], job) -> int:
             global_ranks = [job.global_rank(r) for r in ranks]
             groups[ranks] = tdist.new_group(global_ranks, group_desc="hpckpt_load_broadcast")
     received = 0
+    # nccl moves only accelerator tensors (the untested path here: no GPU on this machine)
+    device = torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend(job.group) == "nccl" else "cpu"
     try:
         for ranks, src, keys in batches:
             if job.rank not in ranks:
                 continue
             mine = [by_key[k][0] for k in keys]
             sizes = [_as_bytes(t.tensor).numel() for t in mine]
-            buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+            buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
             if job.rank == src:
                 at = 0
                 for t, n in zip(mine, sizes):
-                    buffer[at:at + n] = _as_bytes(t.tensor)
+                    buffer[at:at + n] = _as_bytes(t.tensor).to(device)
                     at += n
             tdist.broadcast(buffer, src=job.global_rank(src), group=groups[ranks])
             if job.rank != src:

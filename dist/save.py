@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import re
 import threading
 import time
 from concurrent.futures import Future
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 
 from hpckpt.converters.base import WriterOptions
-from hpckpt.converters.hyperparallel.writer import HyperParallelWriter, value_payload
+from hpckpt.converters.hyperparallel.writer import HyperParallelWriter, tensor_file, value_payload, values_file
 from hpckpt.core import engine
 from hpckpt.core.commit import Staging
 from hpckpt.core.durable import write_error
@@ -192,6 +193,9 @@ class _Save:
         _sequence[key] = _sequence.get(key, 0) + 1
         if self.coordination == "none":
             return self._plan_rank_local()
+        self._plan_again()
+
+    def _plan_again(self) -> None:
         for _attempt in range(3):
             try:
                 return self._plan_together()
@@ -216,10 +220,10 @@ class _Save:
             except Exception as exc:
                 setup_error = exc
         if self.coordination == "storage" and not self.is_coordinator:
-            nonce = wait_for_start(self.staging_path, self.save_id, self.timeout)
+            nonce = wait_for_start(self.staging_path, self.save_id, self.timeout, self.coordinator)
         if self.coordination == "storage" and self.is_coordinator and not nonce:
             raise setup_error or self.local_error  # the others time out waiting for the start
-        self.nonce = nonce
+        self.nonce, self.token = nonce, new_nonce()  # the token: this attempt's, for the exchange files
         exchange = self._exchange()
         error = self.local_error or setup_error
         digest = self.local.plan.digest() if self.local else ""
@@ -227,7 +231,7 @@ class _Save:
         expect_hit = self.use_cache and _last_digest.get(cache_key) == digest
         mine = {"error": _error_text(error) if error else None, "nonce": nonce, "digest": digest,
                 "plan": None if (expect_hit or error) else self.local.plan.to_json()}
-        answers = exchange.all_gather("plan", mine, "send its plan")
+        answers = exchange.all_gather("plan", mine, "send a plan")
         if error is not None:
             raise error  # this rank's own error as it is; the others raise a SaveError naming this rank
         _errors(answers, "save refused before writing")
@@ -238,7 +242,7 @@ class _Save:
             self.global_plan, self.cache_state = cached, "hit"
         else:
             if any(a["plan"] is None for a in answers):
-                answers = exchange.all_gather("plan-full", {"plan": self.local.plan.to_json()}, "send its plan")
+                answers = exchange.all_gather("plan-full", {"plan": self.local.plan.to_json()}, "send a plan")
             plans = [LocalPlan.from_json(a["plan"]) for a in answers]
             self.global_plan = build_global_plan(plans, dedup=self.dedup, key=key)
             self.cache_state = "miss" if self.use_cache else "off"
@@ -252,8 +256,12 @@ class _Save:
 
     def _exchange(self):
         if self.coordination == "storage":
-            return Storage(self.staging_path, self.job.rank, self.job.world_size, self.nonce, self.timeout)
+            return self._storage()
         return self.job.collectives()
+
+    def _storage(self) -> Storage:
+        return Storage(self.staging_path, self.job.rank, self.job.world_size, self.nonce, self.timeout,
+                       coordinator=self.coordinator, token=self.token)
 
     def _plan_rank_local(self) -> None:
         """`coordination="none"`: this rank's items alone, no de-dup, `{rank}.metadata`."""
@@ -273,7 +281,12 @@ class _Save:
         try:
             if self.coordination == "none":
                 return self._persist_rank_local()
-            return self._persist_together()
+            for _attempt in range(3):
+                try:
+                    return self._persist_together()
+                except Restarted:  # the coordinator replaced a killed attempt's directory we had joined
+                    self._plan_again()
+            raise SaveError("storage coordination: the coordinator restarted the save three times")
         finally:
             if self.staging is not None:
                 self.staging.__exit__(None, None, None)  # removes it unless committed; releases the lock
@@ -302,7 +315,7 @@ class _Save:
         rank = self.job.rank
         mine: dict = {"error": None, "files": [], "bytes": 0}
         if self.asynchronous or self.coordination == "storage":
-            exchange = Storage(self.staging_path, rank, self.job.world_size, self.nonce, self.timeout)
+            exchange = self._storage()
         else:
             exchange = self.job.collectives()
         try:
@@ -311,11 +324,11 @@ class _Save:
         except Exception as exc:
             mine["error"] = _error_text(exc)
         writing = time.perf_counter() - t0
-        answers = exchange.all_gather("done", mine, "report its files written")
+        answers = exchange.all_gather("done", mine, "report the files written")
         _errors(answers, "save failed while writing")
         if isinstance(exchange, Storage):  # the coordinator renames only after every rank has seen this
             if self.is_coordinator:
-                exchange.all_gather("seen", {}, "confirm the results")
+                exchange.all_gather("seen", {}, "confirm the reports")
             else:
                 exchange.publish("seen", {})
         committed_error = None
@@ -362,6 +375,7 @@ class _Save:
         rank = self.job.rank
         self.path.mkdir(parents=True, exist_ok=True)
         plan = self.rank_local_plan
+        _forget_rank_local(self.path, rank, self.job.world_size)
         tmp = self.path / f".hpckpt-tmp-{os.getpid()}"
         tmp.mkdir(exist_ok=True)
         try:
@@ -374,6 +388,9 @@ class _Save:
             from hpckpt.core.durable import fsync_path, write_file
             write_file(tmp / f"{rank}.metadata", metadata, True)
             os.replace(tmp / f"{rank}.metadata", self.path / f"{rank}.metadata")
+            for old in (tensor_file(rank), values_file(rank)):  # a file of the last save this one does not have
+                if old not in {n for n, _ in files}:
+                    (self.path / old).unlink(missing_ok=True)
             fsync_path(self.path)
         finally:
             import shutil
@@ -381,6 +398,23 @@ class _Save:
         return SaveResult(self.path, rank, self.job.world_size, rank, "none", "off",
                           tuple(n for n, _ in files) + (f"{rank}.metadata",), nbytes, nbytes, True, self.planning,
                           time.perf_counter() - t0, time.perf_counter() - self.started)
+
+
+def _forget_rank_local(path: Path, rank: int, world_size: int) -> None:
+    """Before a rank-local save writes: this rank's old `{rank}.metadata` goes first (a rank killed
+    from here on leaves its part absent, never an old part beside new ones); the coordinator-free
+    rank 0 also removes what only a save of another kind or a larger world left: `.metadata`,
+    `.hpckpt.json` and the files of ranks >= `world_size`."""
+    (path / f"{rank}.metadata").unlink(missing_ok=True)
+    if rank != 0:
+        return
+    for name in os.listdir(path):
+        stale = name in (".metadata", ".hpckpt.json")
+        match = re.fullmatch(r"(?:(\d+)\.metadata|_rank(\d+)_\.(?:safetensors|bytes))", name)
+        if match:
+            stale = int(match.group(1) or match.group(2)) >= world_size
+        if stale:
+            (path / name).unlink(missing_ok=True)
 
 
 def _wait_in_flight() -> None:
