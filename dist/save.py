@@ -13,9 +13,10 @@
    that loads or verifies; a job that dies leaves only the staging directory, which the next
    save to the same path removes.
 
-`async_save` does steps 1-3 in the caller (with a CPU copy of the shards, in pinned memory when
-they are on an accelerator), returns, and does 4-5 on a thread; its exchanges from then on go
-through files, never through the training job's process group.
+`async_save` does step 1 in the caller (with a CPU copy of the shards, in pinned memory when
+they are on an accelerator), returns, and does the rest on a thread, exchanging through files
+(never through the training job's process group). Without a job identity for the files
+(`HPCKPT_JOB_ID`, torchrun's run id), steps 2-3 stay in the caller, over the process group.
 """
 
 from __future__ import annotations
@@ -174,6 +175,11 @@ class _Save:
         self.is_coordinator = self.job.rank == coordinator
         self.use_cache = plan_cache and coordination != "none"
         self.asynchronous = asynchronous
+        # what the exchanges go through: an async save under a launcher that names the job plans
+        # on its thread through files, so the caller waits for nothing but its own copy
+        self.exchange = coordination
+        if asynchronous and coordination == "collectives" and self.job.world_size > 1 and job_identity():
+            self.exchange = "storage"
         self.staging: Staging | None = None
         self.staging_path = self.path.parent / f".{self.path.name}.hpckpt-tmp-dist"
         self.local_error: BaseException | None = None
@@ -184,16 +190,19 @@ class _Save:
             self.local_error = exc
         self.cache_state = "off"
         self.planning = 0.0
+        self.planned = False
 
     # -- steps 2-3 ----------------------------------------------------------------------------
 
     def plan(self) -> None:
         key = str(self.path)
-        self.save_id = _save_id(self.path, self.job) if self.coordination == "storage" else ""
+        self.save_id = _save_id(self.path, self.job) if self.exchange == "storage" else ""
         _sequence[key] = _sequence.get(key, 0) + 1
         if self.coordination == "none":
-            return self._plan_rank_local()
-        self._plan_again()
+            self._plan_rank_local()
+        else:
+            self._plan_again()
+        self.planned = True
 
     def _plan_again(self) -> None:
         for _attempt in range(3):
@@ -214,14 +223,14 @@ class _Save:
     def _plan_together(self) -> None:
         t0 = time.perf_counter()
         nonce, setup_error = "", None
-        if self.is_coordinator and (self.local_error is None or self.coordination == "storage"):
+        if self.is_coordinator and (self.local_error is None or self.exchange == "storage"):
             try:
                 nonce = self._open_staging()
             except Exception as exc:
                 setup_error = exc
-        if self.coordination == "storage" and not self.is_coordinator:
+        if self.exchange == "storage" and not self.is_coordinator:
             nonce = wait_for_start(self.staging_path, self.save_id, self.timeout, self.coordinator)
-        if self.coordination == "storage" and self.is_coordinator and not nonce:
+        if self.exchange == "storage" and self.is_coordinator and not nonce:
             raise setup_error or self.local_error  # the others time out waiting for the start
         self.nonce, self.token = nonce, new_nonce()  # the token: this attempt's, for the exchange files
         exchange = self._exchange()
@@ -255,7 +264,7 @@ class _Save:
         self.planning = time.perf_counter() - t0
 
     def _exchange(self):
-        if self.coordination == "storage":
+        if self.exchange == "storage":
             return self._storage()
         return self.job.collectives()
 
@@ -314,7 +323,7 @@ class _Save:
         gp = self.global_plan
         rank = self.job.rank
         mine: dict = {"error": None, "files": [], "bytes": 0}
-        if self.asynchronous or self.coordination == "storage":
+        if self.asynchronous or self.exchange == "storage":
             exchange = self._storage()
         else:
             exchange = self.job.collectives()
@@ -450,17 +459,23 @@ def save(state_dict: Any, checkpoint_id: str | os.PathLike, *, process_group: An
     return job.persist()
 
 
-def _planned(state_dict: Any, checkpoint_id, options: dict, *, asynchronous: bool) -> _Save:
+def _planned(state_dict: Any, checkpoint_id, options: dict, *, asynchronous: bool,
+             described: _Save | None = None) -> _Save:
     """Steps 1-3, after any save in flight has finished; the staging directory is released if they fail."""
-    _wait_in_flight()
-    job = _Save(state_dict, checkpoint_id, asynchronous=asynchronous, **options)
+    if described is None:
+        _wait_in_flight()
+    job = described or _Save(state_dict, checkpoint_id, asynchronous=asynchronous, **options)
+    _plan_releasing(job)
+    return job
+
+
+def _plan_releasing(job: _Save) -> None:
     try:
         job.plan()
     except BaseException:
         if job.staging is not None:
             job.staging.__exit__(None, None, None)
         raise
-    return job
 
 
 def async_save(state_dict: Any, checkpoint_id: str | os.PathLike, *, process_group: Any = None, coordinator: int = 0,
@@ -475,13 +490,19 @@ def async_save(state_dict: Any, checkpoint_id: str | os.PathLike, *, process_gro
     collectives, so the training job's process group is free.
     """
     started = time.perf_counter()
-    job = _planned(state_dict, checkpoint_id, dict(process_group=process_group, coordinator=coordinator,
-                   coordination=coordination, dedup=dedup, plan_cache=plan_cache, timeout=timeout), asynchronous=True)
+    options = dict(process_group=process_group, coordinator=coordinator, coordination=coordination, dedup=dedup,
+                   plan_cache=plan_cache, timeout=timeout)
+    _wait_in_flight()
+    job = _Save(state_dict, checkpoint_id, asynchronous=True, **options)
+    if job.exchange != "storage" or coordination == "storage":  # collectives in the caller, or one rank
+        job = _planned(state_dict, checkpoint_id, options, asynchronous=True, described=job)
     future: Future = Future()
     blocked = time.perf_counter() - started
 
     def run() -> None:
         try:
+            if not job.planned:
+                _plan_releasing(job)
             result = job.persist()
             future.set_result(replace(result, blocked=blocked))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller through result()
