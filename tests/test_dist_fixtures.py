@@ -193,6 +193,16 @@ def test_load_every_fixture_into_dtensors(world, tmp_path):
             problems.append(f"rank {r}: no report")
             continue
         fixtures = reports[r]["fixtures"]
+        saved_layout = fixtures.pop("m0-torch-4rank-async@saved-layout", None)
+        if world == 4:  # also loaded into the layout each tensor was saved with (chunk_info tensors)
+            if saved_layout is None:
+                problems.append(f"rank {r}: the async fixture was not loaded into its saved layout")
+            else:
+                problems += [f"rank {r} async@saved-layout: {p}" for p in saved_layout["failures"]]
+                shards = list(saved_layout["layout"].values()).count("chunk_info")
+                if not saved_layout["failures"] and (saved_layout["tensors_checked"] < 10 or shards < 8):
+                    problems.append(f"rank {r} async@saved-layout: {saved_layout['tensors_checked']} tensors checked, "
+                                    f"{shards} as chunk_info shards")
         missing = sorted(set(FIXTURE_NAMES) - set(fixtures))
         if missing:
             problems.append(f"rank {r}: fixtures not covered: {missing}")
