@@ -160,7 +160,8 @@ def test_load_strictness_shapes_and_dtype_conversion(tmp_path):
 
 
 def test_load_reads_every_format(tmp_path):
-    """A Hugging Face file, a torch.save file and a MindSpore .ckpt load straight into tensors."""
+    """A Hugging Face file, a torch.save file, a MindSpore .ckpt and a PyTorch DCP checkpoint load
+    straight into tensors."""
     tensors = {"a.weight": torch.randn(4, 3), "a.bias": torch.arange(3, dtype=torch.int32)}
     save_file(tensors, tmp_path / "model.safetensors")
     torch.save(tensors, tmp_path / "model.pt")
@@ -168,7 +169,10 @@ def test_load_reads_every_format(tmp_path):
 
     mindspore.save_checkpoint([{"name": k, "data": mindspore.Tensor(v.numpy())} for k, v in tensors.items()],
                               str(tmp_path / "model.ckpt"))
-    for name in ("model.safetensors", "model.pt", "model.ckpt"):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"a": {"weight": tensors["a.weight"], "bias": tensors["a.bias"]}}, checkpoint_id=str(tmp_path / "dcp"))
+    for name in ("model.safetensors", "model.pt", "model.ckpt", "dcp"):
         target = {"a": {"weight": torch.zeros(4, 3), "bias": torch.zeros(3, dtype=torch.int32)}}
         loaded = hdist.load(target, tmp_path / name)
         assert torch.equal(target["a"]["weight"], tensors["a.weight"]), name
@@ -181,3 +185,31 @@ def test_core_and_cli_never_import_torch():
             "print(any(m == 'torch' or m.startswith('torch.') for m in sys.modules))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "False"
+
+
+class _ChunkInfo:
+    """HyperParallel's ChunkInfo: the box a plain tensor holds of a larger one."""
+
+    def __init__(self, offsets, sizes, global_shape):
+        self.chunk = type("Chunk", (), {"offsets": offsets, "sizes": sizes})()
+        self.global_shape = global_shape
+
+
+def test_tensors_carrying_chunk_info_are_saved_and_loaded_as_their_box(tmp_path):
+    whole = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    part = whole[1:3].clone()
+    part.chunk_info = _ChunkInfo((1, 0), (2, 3), (4, 3))
+    with pytest.raises(HpckptError, match="w: the ranks' shards hold 6 elements of a tensor of 12"):
+        hdist.save({"w": part}, tmp_path / "partial")  # the only rank holds half the tensor: refused
+    assert not (tmp_path / "partial").exists()
+    held = whole.clone()
+    held.chunk_info = _ChunkInfo((0, 0), (4, 3), (4, 3))
+    hdist.save({"w": held}, tmp_path / "c")
+    target = torch.zeros(2, 3)
+    target.chunk_info = _ChunkInfo((1, 0), (2, 3), (4, 3))  # a rank's box of the global tensor
+    loaded = hdist.load({"w": target}, tmp_path / "c")
+    assert torch.equal(target, whole[1:3]) and loaded.bytes_read == 24
+    wrong = torch.zeros(2, 3)
+    wrong.chunk_info = _ChunkInfo((3, 0), (2, 3), (4, 3))  # rows 3..5 of 4
+    with pytest.raises(HpckptError, match="does not fit"):
+        hdist.load({"w": wrong}, tmp_path / "c")
