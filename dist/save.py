@@ -63,7 +63,7 @@ from hpckpt.dist.shards import as_numpy, is_tensor, shards_of
 COORDINATIONS = ("collectives", "storage", "none")
 _CACHE_SIZE = 8
 _plan_cache: dict[str, GlobalPlan] = {}  # key -> plan, oldest first
-_last_digest: dict[tuple, str] = {}  # (path, rank, world) -> this rank's digest at its last save there
+_plan_digests: dict[str, tuple[str, ...]] = {}  # key -> every rank's digest that made the plan
 _sequence: dict[str, int] = {}  # path -> saves this process made to it (every rank makes the same)
 _in_flight: list[AsyncSaveHandle] = []
 _lock = threading.Lock()
@@ -236,17 +236,23 @@ class _Save:
         exchange = self._exchange()
         error = self.local_error or setup_error
         digest = self.local.plan.digest() if self.local else ""
-        cache_key = (str(self.path), self.job.rank, self.job.world_size)
-        expect_hit = self.use_cache and _last_digest.get(cache_key) == digest
-        mine = {"error": _error_text(error) if error else None, "nonce": nonce, "digest": digest,
+        rank, world = self.job.rank, self.job.world_size
+        held = list(_plan_cache) if self.use_cache else []
+        # this rank's part is unchanged from a cached plan: no need to send it (the others may need
+        # it all the same, then it is sent in a second round)
+        expect_hit = any(len(d) == world and d[rank] == digest for d in (_plan_digests[k] for k in held))
+        mine = {"error": _error_text(error) if error else None, "nonce": nonce, "digest": digest, "cached": held,
                 "plan": None if (expect_hit or error) else self.local.plan.to_json()}
         answers = exchange.all_gather("plan", mine, "send a plan")
         if error is not None:
             raise error  # this rank's own error as it is; the others raise a SaveError naming this rank
         _errors(answers, "save refused before writing")
         self.nonce = answers[self.coordinator]["nonce"]
-        key = plan_key([a["digest"] for a in answers], {"dedup": self.dedup, "world_size": self.job.world_size})
-        cached = _plan_cache.get(key) if self.use_cache else None
+        digests = tuple(a["digest"] for a in answers)
+        key = plan_key(digests, {"dedup": self.dedup, "world_size": self.job.world_size})
+        # a hit only when every rank still holds this very plan: decided from what all gathered,
+        # so every rank decides alike (one rank's cache may have lost it)
+        cached = _plan_cache.get(key) if self.use_cache and all(key in a["cached"] for a in answers) else None
         if cached is not None:
             self.global_plan, self.cache_state = cached, "hit"
         else:
@@ -257,10 +263,9 @@ class _Save:
             self.cache_state = "miss" if self.use_cache else "off"
             if self.use_cache:
                 _plan_cache[key] = self.global_plan
+                _plan_digests[key] = digests
                 while len(_plan_cache) > _CACHE_SIZE:
-                    _plan_cache.pop(next(iter(_plan_cache)))
-        if self.use_cache:
-            _last_digest[cache_key] = digest
+                    _plan_digests.pop(_plan_cache.pop(next(iter(_plan_cache))).key, None)
         self.planning = time.perf_counter() - t0
 
     def _exchange(self):
