@@ -84,6 +84,12 @@ from hpckpt.core.leftovers import (
 # -- one output -------------------------------------------------------------------------------
 
 
+def shared_staging(dest: Path) -> Path:
+    """The staging directory every rank of a live save writes into (`hpckpt.dist`,
+    `Staging(shared=True)`): its name cannot hold a pid, since the other ranks must find it."""
+    return dest.parent / f".{dest.name}{TMP_MARK}{DIST_MARK}"
+
+
 class Staging:
     """The staging directory of one output; a context manager, `commit()` at the end.
 
@@ -99,9 +105,7 @@ class Staging:
         self.sync = sync
         self.file_output = file_output
         self.force = force
-        # `shared`: the staging directory every rank of a live save writes into (`hpckpt.dist`);
-        # its name cannot hold this process's pid, since the others must find it
-        self.path = self.dest.parent / f".{self.dest.name}{TMP_MARK}{DIST_MARK if shared else os.getpid()}"
+        self.path = shared_staging(self.dest) if shared else self.dest.parent / f".{self.dest.name}{TMP_MARK}{os.getpid()}"
         self.trash = self.dest.parent / f".{self.dest.name}{TMP_MARK}old-{os.getpid()}"
         self._done = False
         refuse_staging_name(self.dest)

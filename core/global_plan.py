@@ -266,13 +266,12 @@ def _stored_boxes(rows, width, ndims, shapes, names, dtypes, dedup, world_size):
     _check_cover(g_tid, g_off, g_size, volume, ndims, shapes, names)
     itemsize = np.array([d.itemsize for d in dtypes], np.int64)
     nbytes = volume * itemsize[g_tid] if len(g_tid) else np.zeros(0, np.int64)
-    holders_of = rank_col  # sorted by rank within a box
     if dedup == "none":
         expand = np.repeat(np.arange(len(starts)), counts)
-        owner = rank_col[np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts)])] if len(starts) \
-            else np.zeros(0, np.int64)
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        owner = rank_col[np.repeat(starts, counts) + within]  # every holder of every box
         return g_tid[expand], owner, g_off[expand], g_size[expand]
-    owner = holders_of[starts].copy()  # the lowest-ranked holder
+    owner = rank_col[starts].copy()  # the lowest-ranked holder
     if dedup == "balanced":
         shared = np.flatnonzero(counts > 1)
         load = np.zeros(world_size, np.int64)
@@ -283,7 +282,7 @@ def _stored_boxes(rows, width, ndims, shapes, names, dtypes, dedup, world_size):
         loads = load.tolist()
         for g in ranked.tolist():
             s, c = int(starts[g]), int(counts[g])
-            holders = holders_of[s:s + c]
+            holders = rank_col[s:s + c]
             if c <= 16:
                 best = min(holders.tolist(), key=lambda r: (loads[r], r))
             else:

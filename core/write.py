@@ -17,6 +17,7 @@ from hpckpt.core.commit import Fragment, Staging
 from hpckpt.core.durable import write_error
 from hpckpt.core.errors import HpckptError
 from hpckpt.core.index import CheckpointIndex
+from hpckpt.core.output import Finished, OutputLayout
 from hpckpt.core.plan import Plan
 from hpckpt.core.plan_stats import RankStats
 
@@ -80,8 +81,7 @@ def write_plan(plan: Plan, source: CheckpointIndex, writer, dest: Path, settings
     """
     dest = Path(dest)
     values = {v.fqn: source.decode_value(v.fqn) for v in plan.values}  # before anything is written
-    layout = writer.layout(plan, values)
-    check_layout(plan, layout)
+    layout = lay_out(plan, values, writer)
     progress = settings.progress
     if progress is not None:
         progress.start(layout.nbytes)
@@ -100,6 +100,24 @@ def write_plan(plan: Plan, source: CheckpointIndex, writer, dest: Path, settings
                    tuple(f.name for f in layout.files) + metadata)
 
 
+def lay_out(plan: Plan, values: dict, writer) -> OutputLayout:
+    """The writer's layout of `plan`, proven to place every box of the ranks it produces."""
+    layout = writer.layout(plan, values)
+    check_layout(plan, layout)
+    return layout
+
+
+def fill(layout: OutputLayout, source: CheckpointIndex, writer, directory: Path,
+         settings: WriteSettings) -> tuple[engine.Executed, Finished]:
+    """Create and fill the layout's data files in `directory` from `source`, with the writer's
+    patches, durable when `settings.sync`; returns what the engine did and the writer's metadata
+    files (not written: the caller decides where and whether)."""
+    done = engine.execute(layout, source, directory, **_engine_options(settings))
+    finished = writer.finish(done.crcs)
+    engine.finish(layout, finished, directory, sync=settings.sync)
+    return done, finished
+
+
 def _engine_options(settings: WriteSettings) -> dict:
     progress = settings.progress
     advance: Callable[[int], None] | None = progress.advance if progress is not None else None
@@ -109,9 +127,7 @@ def _engine_options(settings: WriteSettings) -> dict:
 def _write_fragment(plan, layout, source, writer, dest, settings, source_path, needed) -> engine.Executed:
     with Fragment(dest, source=source_path, sync=settings.sync, parents=settings.parents,
                   needed=needed) as fragment:
-        done = engine.execute(layout, source, fragment.path, **_engine_options(settings))
-        finished = writer.finish(done.crcs)
-        engine.finish(layout, finished, fragment.path, sync=settings.sync)
+        done, finished = fill(layout, source, writer, fragment.path, settings)
         every_rank = replace(plan, producing=tuple(range(plan.world_size)))
         fragment.commit(plan.producing, finished.metadata, writer.expected_files(every_rank))
     return done
@@ -122,9 +138,7 @@ def _write_staged(plan, layout, source, writer, dest, settings, file_output, rea
     """The staged write; returns what the engine did and the names of the metadata files."""
     with Staging(dest, source=source_path, force=settings.force, sync=settings.sync, file_output=file_output,
                  parents=settings.parents, needed=needed) as staging:
-        done = engine.execute(layout, source, staging.path, **_engine_options(settings))
-        finished = writer.finish(done.crcs)
-        engine.finish(layout, finished, staging.path, sync=settings.sync)
+        done, finished = fill(layout, source, writer, staging.path, settings)
         staging.write_metadata(finished.metadata)
         if read_back is not None:  # the staged output, read as the format's reader reads it
             check_written(plan, layout, read_back(staging.path / dest.name if file_output else staging.path))

@@ -29,6 +29,7 @@ from hpckpt.dist.results import LoadResult
 from hpckpt.dist.shards import as_numpy, from_numpy, is_tensor, shards_of
 
 BATCH_BYTES = 64 * 1024 * 1024  # one broadcast carries boxes up to this many bytes (one box may be larger)
+TILE_BYTES = 64 * 1024 * 1024  # the buffer of a box read for a conversion or an accelerator
 
 
 class _Target:
@@ -46,14 +47,25 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 
 def _fill(target: _Target, index, files: OpenFiles) -> tuple[str, str] | None:
-    """Read the target's box from storage into its tensor; returns a dtype conversion made."""
-    t, entry = target.tensor, target.entry
+    """Read the target's box from storage into its tensor; returns a dtype conversion made.
+
+    Straight into the tensor's memory when it is a contiguous CPU tensor of the saved dtype;
+    otherwise (another dtype, an accelerator, strides) through a buffer of at most
+    `TILE_BYTES`, a block of rows at a time."""
+    t, entry, box = target.tensor, target.entry, target.box
     source = _torch_dtype(entry.dtype.name)
     if t.dtype == source and t.device.type == "cpu" and t.is_contiguous():
-        read_box(index, entry, target.box, files, out=as_numpy(t))
+        read_box(index, entry, box, files, out=as_numpy(t))
         return None
-    array = read_box(index, entry, target.box, files)
-    t.copy_(from_numpy(array, source).reshape(t.shape))
+    if box.ndim == 0:
+        t.copy_(from_numpy(read_box(index, entry, box, files), source).reshape(t.shape))
+    else:
+        row = box.volume // max(box.sizes[0], 1) * entry.dtype.itemsize
+        step = max(1, TILE_BYTES // max(row, 1))
+        for start in range(0, box.sizes[0], step):
+            n = min(step, box.sizes[0] - start)
+            rows = Box((box.offsets[0] + start, *box.offsets[1:]), (n, *box.sizes[1:]))
+            t[start:start + n].copy_(from_numpy(read_box(index, entry, rows, files), source).reshape(rows.sizes))
     return None if t.dtype == source else (target.fqn, f"{entry.dtype.name} -> {str(t.dtype).removeprefix('torch.')}")
 
 
@@ -103,7 +115,9 @@ def load(state_dict: Any, checkpoint_id: str | Path, *, process_group: Any = Non
                                      hint="load(..., strict=False) loads the rest and reports them in `missing`")
         wanted = set(flat)
         unused = tuple(n for n in (*index.tensors, *index.values) if n not in wanted)
-        readers, shared = _assign(targets, job) if broadcast_shared and job.world_size > 1 else ({}, [])
+        everyone = job.collectives().all_gather("load-wanted", _wanted(targets)) if job.world_size > 1 \
+            else [_wanted(targets)]
+        readers, shared = _assign(everyone, targets, job) if broadcast_shared and job.world_size > 1 else ({}, [])
         converted = []
         with OpenFiles() as files:
             for i, target in enumerate(targets):
@@ -115,7 +129,8 @@ def load(state_dict: Any, checkpoint_id: str | Path, *, process_group: Any = Non
         received = _broadcast(shared, targets, job) if shared else 0
         for fqn in values:
             set_path(state_dict, paths[fqn], index.decode_value(fqn))
-    job_read, job_wanted = _totals(bytes_read, targets, job)
+    job_read = bytes_read if job.world_size == 1 else sum(job.collectives().all_gather("load-read", bytes_read))
+    job_wanted = sum({(f, tuple(o), tuple(z)): n for boxes in everyone for f, o, z, n in boxes}.values())
     return LoadResult(path, job.rank, job.world_size, index.format, len({t.fqn for t in targets}), len(values),
                       bytes_read, received, job_read, job_wanted, (job_read / job_wanted) if job_wanted else 1.0,
                       tuple(missing), unused, tuple(converted), time.perf_counter() - started)
@@ -125,12 +140,12 @@ def _wanted(targets: list[_Target]) -> list[list]:
     return [[t.fqn, list(t.box.offsets), list(t.box.sizes), t.nbytes] for t in targets]
 
 
-def _assign(targets: list[_Target], job) -> tuple[dict[int, int], list[tuple[tuple[int, ...], int, list]]]:
-    """Who reads each box several ranks want, and the broadcasts that carry it to the others.
+def _assign(everyone: list[list], targets: list[_Target], job) -> tuple[dict[int, int], list]:
+    """Who reads each box several ranks want (`everyone`: each rank's `_wanted`), and the
+    broadcasts that carry it to the others.
 
     Returns this rank's reader per target position, and the shared boxes as
     `(holders, reader, [(fqn, offsets, sizes)])` batches in one order every rank agrees on."""
-    everyone = job.collectives().all_gather("load-wanted", _wanted(targets))
     holders: dict[tuple, list[int]] = defaultdict(list)
     nbytes: dict[tuple, int] = {}
     for rank, boxes in enumerate(everyone):
@@ -211,18 +226,3 @@ def _broadcast(batches, targets: list[_Target], job) -> int:
             if ranks != world:
                 tdist.destroy_process_group(group)
     return received
-
-
-def _totals(bytes_read: int, targets: list[_Target], job) -> tuple[int, int]:
-    """The job's bytes read and the bytes of its distinct wanted boxes (each counted once)."""
-    distinct = {(t.fqn, t.box.offsets, t.box.sizes): t.nbytes for t in targets}
-    if job.world_size == 1:
-        return bytes_read, sum(distinct.values())
-    answers = job.collectives().all_gather("load-totals", {"read": bytes_read, "wanted": [[f, list(o), list(s), n]
-                                                            for (f, o, s), n in distinct.items()]})
-    every = {}
-    for a in answers:
-        for f, o, s, n in a["wanted"]:
-            every[(f, tuple(o), tuple(s))] = n
-    return sum(a["read"] for a in answers), sum(every.values())
-

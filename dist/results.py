@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,7 +70,6 @@ class AsyncSaveHandle:
 
     _future: Future = field(repr=False)
     blocked: float = 0.0
-    _thread: threading.Thread | None = field(default=None, repr=False)
 
     def done(self) -> bool:
         return self._future.done()

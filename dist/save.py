@@ -25,6 +25,7 @@ import hashlib
 import os
 import pickle
 import re
+import shutil
 import threading
 import time
 from concurrent.futures import Future
@@ -35,10 +36,11 @@ from typing import Any
 import torch
 
 from hpckpt.converters.base import WriterOptions
+from hpckpt.converters.hyperparallel.reader import HyperParallelReader
 from hpckpt.converters.hyperparallel.writer import HyperParallelWriter, tensor_file, value_payload, values_file
-from hpckpt.core import engine
-from hpckpt.core.commit import Staging
-from hpckpt.core.durable import write_error
+from hpckpt.core.accounting import check_written
+from hpckpt.core.commit import Staging, shared_staging
+from hpckpt.core.durable import fsync_path, write_error, write_file
 from hpckpt.core.errors import HpckptError, UnsafePickleError, UnsupportedDTypeError
 from hpckpt.core.global_plan import DEDUP_MODES, GlobalPlan, LocalPlan, LocalValue, build_global_plan, plan_key
 from hpckpt.core.dtypes import dtype as parse_dtype
@@ -46,6 +48,7 @@ from hpckpt.core.memory_source import MemoryTensor, memory_index
 from hpckpt.core.plan import PlannedValue, plan_as_given
 from hpckpt.core.output import Finished
 from hpckpt.core.unpickle import loads
+from hpckpt.core.write import WriteSettings, fill, lay_out
 from hpckpt.dist.coordination import (
     DEFAULT_TIMEOUT,
     START,
@@ -123,12 +126,12 @@ def _describe(state_dict: Any, rank: int, *, stage: bool) -> _Local:
             except (HpckptError, pickle.PicklingError, AttributeError, TypeError) as exc:
                 raise UnsafePickleError(
                     f"{fqn}: a {type(obj).__name__} value cannot be saved: hpckpt's safe unpickler would not read "
-                    f"it back ({exc.message if isinstance(exc, HpckptError) else exc})",
+                    f"it back ({_error_text(exc)})",
                     hint="save plain Python values (numbers, strings, lists, dicts, tuples) or tensors") from None
             payloads[fqn] = payload
             values.append(LocalValue(fqn, len(payload), hashlib.sha256(payload).hexdigest()))
-    if accelerated and stage:
-        torch.accelerator.synchronize() if hasattr(torch, "accelerator") else torch.cuda.synchronize()
+    if accelerated and stage:  # the non-blocking copies into pinned memory are done
+        torch.cuda.synchronize()
     return _Local(LocalPlan.build(rank, rows, values, paths), tensors, payloads, rows, paths)
 
 
@@ -181,7 +184,7 @@ class _Save:
         if asynchronous and coordination == "collectives" and self.job.world_size > 1 and job_identity():
             self.exchange = "storage"
         self.staging: Staging | None = None
-        self.staging_path = self.path.parent / f".{self.path.name}.hpckpt-tmp-dist"
+        self.staging_path = shared_staging(self.path)
         self.local_error: BaseException | None = None
         self.local: _Local | None = None
         try:
@@ -305,15 +308,16 @@ class _Save:
             if self.staging is not None:
                 self.staging.__exit__(None, None, None)  # removes it unless committed; releases the lock
 
-    def _write_own(self, plan, directory: Path, lengths) -> tuple[list[list], int]:
-        """This rank's files of `plan` (the boxes it stores, the values it stores) in `directory`."""
+    def _write_own(self, plan, directory: Path, lengths) -> tuple[list[list], int, Finished]:
+        """This rank's files of `plan` (the boxes it stores, the values it stores) in `directory`,
+        through the writer, engine and accounting every command uses (`core.write`); returns them,
+        their bytes and the writer's metadata of `plan`."""
         own = {v.fqn: self.local.payloads[v.fqn] for v in plan.values if v.rank in plan.producing}
         writer = HyperParallelWriter(WriterOptions(framework="torch"), value_lengths=lengths, payloads=own)
-        layout = writer.layout(plan, {})
+        layout = lay_out(plan, {}, writer)
         source = memory_index(self.local.tensors, framework="torch")
         try:
-            engine.execute(layout, source, directory, sync=True)
-            engine.finish(layout, Finished(()), directory, sync=True)
+            _done, finished = fill(layout, source, writer, directory, WriteSettings(sync=True))
         except BaseException as exc:
             for f in layout.files:  # what this rank began: on a full disk, the room to report the error
                 (directory / f.name).unlink(missing_ok=True)
@@ -321,7 +325,7 @@ class _Save:
                 raise write_error(exc, directory, layout.nbytes) from None
             raise
         files = [[f.name, f.size] for f in layout.files]
-        return files, sum(f.size for f in layout.files)
+        return files, sum(f.size for f in layout.files), finished
 
     def _persist_together(self) -> SaveResult:
         t0 = time.perf_counter()
@@ -334,7 +338,7 @@ class _Save:
             exchange = self.job.collectives()
         try:
             plan = replace(gp.plan([rank]), producing=(rank,))
-            mine["files"], mine["bytes"] = self._write_own(plan, self.staging_path, gp.value_lengths)
+            mine["files"], mine["bytes"], _finished = self._write_own(plan, self.staging_path, gp.value_lengths)
         except Exception as exc:
             mine["error"] = _error_text(exc)
         writing = time.perf_counter() - t0
@@ -367,7 +371,7 @@ class _Save:
         stale files gone, `.metadata` last, one rename."""
         full = self.global_plan.plan()
         writer = HyperParallelWriter(WriterOptions(framework="torch"), value_lengths=self.global_plan.value_lengths)
-        writer.layout(replace(full, producing=()), {})
+        layout = lay_out(replace(full, producing=()), {}, writer)
         expected = set(writer.expected_files(full))
         reported = {name: size for a in answers for name, size in a["files"]}
         staging = self.staging.path
@@ -380,6 +384,7 @@ class _Save:
             if name not in expected:
                 (staging / name).unlink()  # exchange files, and anything a killed save left
         self.staging.write_metadata(writer.finish({}).metadata)
+        check_written(full, layout, HyperParallelReader().read_index(staging))  # as a loader will read it
         self.staging.commit()
 
     def _persist_rank_local(self) -> SaveResult:
@@ -393,21 +398,16 @@ class _Save:
         tmp = self.path / f".hpckpt-tmp-{os.getpid()}"
         tmp.mkdir(exist_ok=True)
         try:
-            files, nbytes = self._write_own(plan, tmp, self.lengths)
-            writer = HyperParallelWriter(WriterOptions(framework="torch"), value_lengths=self.lengths)
-            writer.layout(replace(plan, producing=()), {})
-            metadata = dict(writer.finish({}).metadata)[".metadata"]
+            files, nbytes, finished = self._write_own(plan, tmp, self.lengths)
             for name, _size in files:
                 os.replace(tmp / name, self.path / name)
-            from hpckpt.core.durable import fsync_path, write_file
-            write_file(tmp / f"{rank}.metadata", metadata, True)
+            write_file(tmp / f"{rank}.metadata", dict(finished.metadata)[".metadata"], True)
             os.replace(tmp / f"{rank}.metadata", self.path / f"{rank}.metadata")
             for old in (tensor_file(rank), values_file(rank)):  # a file of the last save this one does not have
                 if old not in {n for n, _ in files}:
                     (self.path / old).unlink(missing_ok=True)
             fsync_path(self.path)
         finally:
-            import shutil
             shutil.rmtree(tmp, ignore_errors=True)
         return SaveResult(self.path, rank, self.job.world_size, rank, "none", "off",
                           tuple(n for n, _ in files) + (f"{rank}.metadata",), nbytes, nbytes, True, self.planning,
@@ -518,7 +518,7 @@ def async_save(state_dict: Any, checkpoint_id: str | os.PathLike, *, process_gro
                     _in_flight.remove(handle)
 
     thread = threading.Thread(target=run, name="hpckpt-async-save", daemon=False)
-    handle = AsyncSaveHandle(future, blocked, thread)
+    handle = AsyncSaveHandle(future, blocked)
     with _lock:
         _in_flight.append(handle)
     thread.start()

@@ -64,7 +64,7 @@ def shards_of(fqn: str, value: torch.Tensor) -> Shards:
 
 def _dtensor(fqn: str, value: DTensor) -> Shards:
     for p in value.placements:
-        if not isinstance(p, (Shard, Replicate)) or type(p) not in (Shard, Replicate):
+        if type(p) not in (Shard, Replicate):  # (subclasses: strided shards, masked partials)
             raise GeometryError(
                 f"{fqn}: a DTensor placed {p} cannot be saved as boxes of the global tensor",
                 hint="Partial values are not reduced yet (redistribute to Replicate or Shard first); "
@@ -113,8 +113,4 @@ def as_numpy(t: torch.Tensor) -> np.ndarray:
 def from_numpy(array: np.ndarray, like: torch.dtype) -> torch.Tensor:
     """The tensor over `array`'s bytes with dtype `like` (the inverse of `as_numpy`)."""
     t = torch.from_numpy(np.ascontiguousarray(array) if array.ndim else np.array(array))
-    if t.dtype == like:
-        return t
-    if t.dtype.itemsize == like.itemsize:
-        return t.view(like)
-    return t
+    return t if t.dtype == like else t.view(like)  # the same bits: raw uint16 -> bfloat16

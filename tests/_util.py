@@ -101,3 +101,25 @@ def write_row_sharded(root: Path) -> Path:
               for rank, boxes in layout.all_boxes(array.shape).items() for box in boxes]
     write_checkpoint(root, {"w": (dtypes.dtype("float32"), array.shape, chunks)}, {"step": (0, 7)})
     return root
+
+
+def run_torchrun(nproc: int, args: list[str], log: Path, env: dict, timeout: float) -> tuple[int | None, str]:
+    """A real `torchrun --standalone` job of `nproc` ranks; its exit code (None: killed after
+    `timeout`, its whole process group only) and its output, also left in `log`."""
+    import signal
+    import subprocess
+    import sys
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    with open(log, "w+") as f:
+        proc = subprocess.Popen([*launcher, "--standalone", "--nproc-per-node", str(nproc), *args],
+                                env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            rc = None
+        f.seek(0)
+        return rc, f.read()

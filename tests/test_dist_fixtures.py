@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _util import FIXTURE_NAMES, FIXTURES
+from _util import FIXTURE_NAMES, FIXTURES, run_torchrun
 from hp_reference import hp_modules
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
@@ -45,23 +45,8 @@ def _base_env(**extra: str) -> dict:
     return env
 
 
-def _torchrun() -> list[str]:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    return [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
-
-
 def _run_torchrun(n: int, args: list[str], log: Path, timeout: float = 600) -> tuple[int | None, str]:
-    with open(log, "w+") as f:
-        proc = subprocess.Popen([*_torchrun(), "--standalone", "--nproc-per-node", str(n), *args],
-                                env=_base_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # only the process group started here
-            proc.wait(timeout=30)
-            rc = None
-        f.seek(0)
-        return rc, f.read()
+    return run_torchrun(n, args, log, _base_env(), timeout)
 
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from math import prod
 from pathlib import Path
 
 import pytest
+from _util import run_torchrun
 
 pytestmark = pytest.mark.dist
 
@@ -45,22 +45,7 @@ class Job:
 
 
 def _torchrun(nproc: int, *args: str, log_file: Path) -> Job:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    with open(log_file, "w+") as log:
-        proc = subprocess.Popen(
-            [*launcher, "--standalone", "--nproc-per-node", str(nproc), str(JOB), *args],
-            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            returncode = proc.wait(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # only the process group started here
-            proc.wait(timeout=30)
-            returncode = None
-        log.seek(0)
-        return Job(returncode, log.read())
+    return Job(*run_torchrun(nproc, [str(JOB), *args], log_file, {**os.environ, "OMP_NUM_THREADS": "1"}, TIMEOUT))
 
 
 @pytest.fixture(scope="module")

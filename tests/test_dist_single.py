@@ -213,3 +213,19 @@ def test_tensors_carrying_chunk_info_are_saved_and_loaded_as_their_box(tmp_path)
     wrong.chunk_info = _ChunkInfo((3, 0), (2, 3), (4, 3))  # rows 3..5 of 4
     with pytest.raises(HpckptError, match="does not fit"):
         hdist.load({"w": wrong}, tmp_path / "c")
+
+
+def test_a_converted_load_goes_through_a_bounded_buffer(tmp_path, monkeypatch):
+    """A box read for a dtype conversion is read a block of rows at a time, never whole."""
+    live_load = sys.modules["hpckpt.dist.load"]  # (`hpckpt.dist.load` is the function)
+
+    big = torch.randn(9, 5).bfloat16()
+    hdist.save({"w": big}, tmp_path / "c")
+    monkeypatch.setattr(live_load, "TILE_BYTES", 2 * 5 * 2)  # two rows of bf16 per read
+    reads = []
+    real = live_load.read_box
+    monkeypatch.setattr(live_load, "read_box", lambda *a, **k: reads.append(a[2].sizes) or real(*a, **k))
+    target = {"w": torch.zeros(9, 5)}
+    assert hdist.load(target, tmp_path / "c").converted == (("w", "bfloat16 -> float32"),)
+    assert torch.equal(target["w"], big.float())
+    assert reads == [(2, 5)] * 4 + [(1, 5)]
