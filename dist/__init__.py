@@ -1,14 +1,17 @@
-"""Save and load inside a running PyTorch job: `save`, `async_save`, `load`.
+"""Save and load inside a running PyTorch or MindSpore job: `save`, `async_save`, `load`.
 
 The live half of hpckpt. Every rank describes what it holds (DTensor shards, plain tensors,
-tensors carrying HyperParallel's `chunk_info`, values), the local plans are gathered, every rank
+tensors carrying HyperParallel's `chunk_info`, tensors wrapped with their layout by `sharded`,
+values), the local plans are gathered, every rank
 builds the same global plan from them (`core.global_plan`: replicas stored once), each rank writes
 its own files through the one HyperParallel writer and engine into a shared staging directory,
 and the coordinator commits (`.metadata` last, one rename). Loading reads, on each rank, only the
 overlaps of its boxes with the saved ones, from any format hpckpt reads; a box several ranks want
 is read once and broadcast.
 
-torch is imported here and only here (`hpckpt.core` and the CLI never import it).
+The framework is the state dict's (`frameworks`): torch is imported only by
+`frameworks.torch_tensors`, MindSpore only by `frameworks.mindspore_tensors`, and only when the
+state dict holds their tensors (`hpckpt.core` and the CLI import neither).
 
     from hpckpt import dist as hdist
     result = hdist.save({"model": model_sd, "optim": optim_sd}, "ckpt/step100")
@@ -20,5 +23,7 @@ from hpckpt.dist.results import AsyncSaveHandle, LoadResult, SaveResult
 from hpckpt.dist.save import async_save, save
 from hpckpt.dist.load import load
 from hpckpt.dist.coordination import CoordinationTimeoutError
+from hpckpt.dist.layouts import Sharded, sharded
 
-__all__ = ["save", "async_save", "load", "SaveResult", "LoadResult", "AsyncSaveHandle", "CoordinationTimeoutError"]
+__all__ = ["save", "async_save", "load", "sharded", "Sharded", "SaveResult", "LoadResult", "AsyncSaveHandle",
+           "CoordinationTimeoutError"]

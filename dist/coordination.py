@@ -4,7 +4,7 @@ Every exchange is an `all_gather` of a JSON-able object under a phase name; each
 decides the same thing from the same list, so nothing is ever broadcast and no rank waits for a
 verdict it could compute itself.
 
-- `Collectives`: `all_gather_object` over the process group (gloo on CPU, nccl on GPUs).
+- `Collectives`: the framework's gather (torch's `all_gather_object`, MindSpore's AllGather).
 - `Storage`: no collectives at all. Each rank writes `.hpckpt-PHASE-RANK.json` (written aside and
   renamed, so a reader never sees half a file) into the shared staging directory and polls for the
   others', for a bounded time: a rank that never arrives ends the wait with a
@@ -53,19 +53,16 @@ def _ranks(ranks: list[int]) -> str:
 
 
 class Collectives:
-    """Exchanges over a torch process group."""
+    """Exchanges over the framework's collectives (`frameworks` Comm: a torch process group,
+    mindspore.communication)."""
 
     kind = "collectives"
 
-    def __init__(self, group: Any, rank: int, world_size: int):
-        self.group, self.rank, self.world_size = group, rank, world_size
+    def __init__(self, comm: Any):
+        self.comm, self.rank, self.world_size = comm, comm.rank, comm.world_size
 
     def all_gather(self, phase: str, obj: Any, what: str | None = None) -> list[Any]:
-        import torch.distributed as tdist
-
-        out: list[Any] = [None] * self.world_size
-        tdist.all_gather_object(out, json.dumps(obj), group=self.group)
-        return [json.loads(doc) for doc in out]
+        return self.comm.all_gather_json(obj)
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
-
-import torch.distributed as tdist
 
 from hpckpt.dist.coordination import Collectives
 
@@ -25,45 +24,57 @@ class Alone:
 class Job:
     rank: int
     world_size: int
-    group: Any  # the torch process group, None when there is none (storage coordination, one rank)
+    comm: Any  # the framework's Comm (`frameworks`), None when there is none (storage coordination, one rank)
+    framework: ModuleType
 
     def collectives(self):
         if self.world_size == 1:
             return Alone()
-        return Collectives(self.group, self.rank, self.world_size)
+        return Collectives(self.comm)
 
     def global_rank(self, group_rank: int) -> int:
-        if self.group is None:
-            return group_rank
-        return tdist.get_global_rank(self.group, group_rank)
+        return group_rank if self.comm is None else self.comm.global_rank(group_rank)
 
 
-def this_job(process_group: Any = None, *, need_collectives: bool) -> Job:
-    """This process's place in the job: the process group's (given, or the default one), else
-    `RANK`/`WORLD_SIZE` from the environment (what storage coordination needs: no group at all).
+def _environment_rank() -> tuple[int, int]:
+    """torchrun's RANK/WORLD_SIZE, else msrun's RANK_ID/RANK_SIZE."""
+    env = os.environ
+    if "RANK" in env or "WORLD_SIZE" in env:
+        return int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+    return int(env.get("RANK_ID", "0")), int(env.get("RANK_SIZE", "1"))
+
+
+def this_job(framework: ModuleType, process_group: Any = None, *, need_collectives: bool) -> Job:
+    """This process's place in the job: the framework's process group (given, or the world), else
+    the launcher's environment (what storage coordination needs: no group at all).
 
     Raises:
-        ValueError: several ranks and collectives wanted, but torch.distributed is not initialised.
+        ValueError: several ranks and collectives wanted, but the framework's communication is
+            not initialised.
     """
-    if process_group is not None or (tdist.is_available() and tdist.is_initialized()):
-        group = process_group if process_group is not None else tdist.group.WORLD
-        return Job(tdist.get_rank(group), tdist.get_world_size(group), group)
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    comm = framework.comm_of(process_group)
+    if comm is not None:
+        return Job(comm.rank, comm.world_size, comm, framework)
+    rank, world = _environment_rank()
     if need_collectives and world > 1:
-        raise ValueError(f"this is rank {rank} of {world} (RANK/WORLD_SIZE) but torch.distributed is not initialised: "
-                         "call init_process_group first, or use coordination='storage'")
+        call = "init_process_group" if framework.NAME == "torch" else "mindspore.communication.init()"
+        raise ValueError(f"this is rank {rank} of {world} but {framework.NAME}'s communication is not initialised: "
+                         f"call {call} first, or use coordination='storage'")
     if not 0 <= rank < world:
-        raise ValueError(f"RANK={rank} is not a rank of WORLD_SIZE={world}")
-    return Job(rank, world, None)
+        raise ValueError(f"rank {rank} is not a rank of a world of {world}")
+    return Job(rank, world, None, framework)
 
 
 def job_identity() -> str | None:
     """What all ranks of this job, and no other job, share: `HPCKPT_JOB_ID`, else torchrun's run
     id and restart count, else the rendezvous address (None when there is nothing)."""
-    if os.environ.get("HPCKPT_JOB_ID"):
-        return os.environ["HPCKPT_JOB_ID"]
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        return f"{os.environ['TORCHELASTIC_RUN_ID']}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-        return f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    env = os.environ
+    if env.get("HPCKPT_JOB_ID"):
+        return env["HPCKPT_JOB_ID"]
+    if env.get("TORCHELASTIC_RUN_ID"):
+        return f"{env['TORCHELASTIC_RUN_ID']}.{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    if env.get("MS_SCHED_HOST") and env.get("MS_SCHED_PORT"):
+        return f"{env['MS_SCHED_HOST']}:{env['MS_SCHED_PORT']}"
     return None

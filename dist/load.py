@@ -15,18 +15,18 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as tdist
+import numpy as np
 
 from hpckpt.converters import open_index
 from hpckpt.core.box import Box
 from hpckpt.core.errors import EntryMismatchError
 from hpckpt.core.lock import reading
 from hpckpt.core.read import OpenFiles, read_box
+from hpckpt.dist import frameworks
 from hpckpt.dist.flatten import flatten, set_path
 from hpckpt.dist.job import this_job
 from hpckpt.dist.results import LoadResult
-from hpckpt.dist.shards import as_numpy, from_numpy, is_tensor, shards_of
+from hpckpt.dist.shards import shards_of
 
 BATCH_BYTES = 64 * 1024 * 1024  # one broadcast carries boxes up to this many bytes (one box may be larger)
 TILE_BYTES = 64 * 1024 * 1024  # the buffer of a box read for a conversion or an accelerator
@@ -37,70 +37,70 @@ class _Target:
 
     __slots__ = ("fqn", "entry", "box", "tensor", "nbytes")
 
-    def __init__(self, fqn, entry, box: Box, tensor: torch.Tensor):
+    def __init__(self, fqn, entry, box: Box, tensor: Any):
         self.fqn, self.entry, self.box, self.tensor = fqn, entry, box, tensor
         self.nbytes = box.volume * entry.dtype.itemsize
 
 
-def _torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
-def _fill(target: _Target, index, files: OpenFiles) -> tuple[str, str] | None:
+def _fill(target: _Target, index, files: OpenFiles, fw) -> tuple[str, str] | None:
     """Read the target's box from storage into its tensor; returns a dtype conversion made.
 
-    Straight into the tensor's memory when it is a contiguous CPU tensor of the saved dtype;
-    otherwise (another dtype, an accelerator, strides) through a buffer of at most
-    `TILE_BYTES`, a block of rows at a time."""
+    Straight into the tensor's memory when the framework allows it (a contiguous host tensor of
+    the saved dtype); otherwise (another dtype, an accelerator, strides) through a buffer of at
+    most `TILE_BYTES`, a block of rows at a time."""
     t, entry, box = target.tensor, target.entry, target.box
-    source = _torch_dtype(entry.dtype.name)
-    if t.dtype == source and t.device.type == "cpu" and t.is_contiguous():
-        read_box(index, entry, box, files, out=as_numpy(t))
+    view = fw.direct_view(t, entry.dtype)
+    if view is not None:
+        read_box(index, entry, box, files, out=view)
         return None
     if box.ndim == 0:
-        t.copy_(from_numpy(read_box(index, entry, box, files), source).reshape(t.shape))
+        fw.fill(t, read_box(index, entry, box, files), entry.dtype)
     else:
         row = box.volume // max(box.sizes[0], 1) * entry.dtype.itemsize
         step = max(1, TILE_BYTES // max(row, 1))
         for start in range(0, box.sizes[0], step):
             n = min(step, box.sizes[0] - start)
             rows = Box((box.offsets[0] + start, *box.offsets[1:]), (n, *box.sizes[1:]))
-            t[start:start + n].copy_(from_numpy(read_box(index, entry, rows, files), source).reshape(rows.sizes))
-    return None if t.dtype == source else (target.fqn, f"{entry.dtype.name} -> {str(t.dtype).removeprefix('torch.')}")
+            fw.fill(t, read_box(index, entry, rows, files), entry.dtype, rows=(start, start + n))
+    held = fw.dtype_of(t, target.fqn)
+    return None if held.name == entry.dtype.name else (target.fqn, f"{entry.dtype.name} -> {held.name}")
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    flat = t.contiguous().reshape(-1)
-    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+def _as_bytes(t: Any, fw) -> np.ndarray:
+    flat = np.ascontiguousarray(fw.to_numpy(t, copy=False)).reshape(-1)
+    return flat.view(np.uint8)
 
 
 def load(state_dict: Any, checkpoint_id: str | Path, *, process_group: Any = None, broadcast_shared: bool = True,
-         strict: bool = True) -> LoadResult:
+         strict: bool = True, progress: Any = None) -> LoadResult:
     """Fill the tensors of `state_dict` (DTensors, plain tensors, tensors with `chunk_info`, in
     nested dicts and lists) in place from `checkpoint_id`, and replace its non-tensor values.
 
     Any format hpckpt reads and any saved layout and world size; dtypes are converted on the
-    copy where they differ (reported in `converted`). Every rank calls it.
+    copy where they differ (reported in `converted`). Every rank calls it. `progress`: an object
+    with `start(total_bytes)` and `advance(n)`, told about this rank's boxes as they are filled.
 
     Raises:
         EntryMismatchError: an entry the state dict has is missing from the checkpoint (`strict`),
             or has another global shape.
     """
     started = time.perf_counter()
-    job = this_job(process_group, need_collectives=True)
+    flat, paths = flatten(state_dict, frameworks.is_any_tensor)
+    fw = frameworks.of_state(flat)
+    job = this_job(fw, process_group, need_collectives=True)
+    me = job.global_rank(job.rank)
     path = Path(checkpoint_id)
     with reading(path):
         index = open_index(path)
-        flat, paths = flatten(state_dict, is_tensor)
         targets: list[_Target] = []
         missing, values = [], []
         for fqn, obj in flat.items():
-            if is_tensor(obj):
+            if frameworks.is_any_tensor(obj):
                 entry = index.tensors.get(fqn)
                 if entry is None:
                     missing.append(fqn)
                     continue
-                shards = shards_of(fqn, obj)
+                shards = shards_of(fqn, obj, fw, me)
                 if tuple(shards.shape) != tuple(entry.shape):
                     raise EntryMismatchError(f"{fqn}: the checkpoint holds it as {list(entry.shape)}, the state dict "
                                              f"as {list(shards.shape)}")
@@ -119,14 +119,23 @@ def load(state_dict: Any, checkpoint_id: str | Path, *, process_group: Any = Non
             else [_wanted(targets)]
         readers, shared = _assign(everyone, targets, job) if broadcast_shared and job.world_size > 1 else ({}, [])
         converted = []
+        if progress is not None:
+            progress.start(sum(t.nbytes for t in targets))
+        pending = 0
         with OpenFiles() as files:
             for i, target in enumerate(targets):
                 if readers.get(i, job.rank) == job.rank:
-                    made = _fill(target, index, files)
+                    made = _fill(target, index, files, fw)
                     if made:
                         converted.append(made)
+                    if progress is not None:
+                        progress.advance(target.nbytes)
+                else:
+                    pending += target.nbytes
             bytes_read = files.bytes_read
         received = _broadcast(shared, targets, job) if shared else 0
+        if progress is not None and pending:
+            progress.advance(pending)
         for fqn in values:
             set_path(state_dict, paths[fqn], index.decode_value(fqn))
     job_read = bytes_read if job.world_size == 1 else sum(job.collectives().all_gather("load-read", bytes_read))
@@ -186,43 +195,33 @@ def _assign(everyone: list[list], targets: list[_Target], job) -> tuple[dict[int
 
 def _broadcast(batches, targets: list[_Target], job) -> int:
     """Send each shared box from its reader to the other holders; returns the bytes received."""
+    fw, comm = job.framework, job.comm
     by_key = defaultdict(list)
     for t in targets:
         by_key[(t.fqn, t.box.offsets, t.box.sizes)].append(t)
-    sets = sorted({ranks for ranks, _src, _keys in batches})
-    world = tuple(range(job.world_size))
-    groups = {}
-    for ranks in sets:  # every rank creates every group, in the same order (torch requires it)
-        if ranks == world:
-            groups[ranks] = job.group
-        else:
-            global_ranks = [job.global_rank(r) for r in ranks]
-            groups[ranks] = tdist.new_group(global_ranks, group_desc="hpckpt_load_broadcast")
+    groups = comm.groups(sorted({ranks for ranks, _src, _keys in batches}))  # every rank, same order
     received = 0
-    # nccl moves only accelerator tensors (the untested path here: no GPU on this machine)
-    device = torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend(job.group) == "nccl" else "cpu"
     try:
         for ranks, src, keys in batches:
             if job.rank not in ranks:
                 continue
             mine = [by_key[k][0] for k in keys]
-            sizes = [_as_bytes(t.tensor).numel() for t in mine]
-            buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+            held = [fw.dtype_of(t.tensor, t.fqn) for t in mine]  # the holders' dtype: the reader's, converted
+            sizes = [t.box.volume * d.itemsize for t, d in zip(mine, held)]
             if job.rank == src:
-                at = 0
-                for t, n in zip(mine, sizes):
-                    buffer[at:at + n] = _as_bytes(t.tensor).to(device)
-                    at += n
-            tdist.broadcast(buffer, src=job.global_rank(src), group=groups[ranks])
+                parts = [_as_bytes(t.tensor, fw) for t in mine]
+                buffer = np.concatenate(parts) if parts else np.empty(0, np.uint8)
+            else:
+                buffer = np.empty(sum(sizes), np.uint8)
+            buffer = comm.broadcast(buffer, src, groups[ranks])
             if job.rank != src:
                 at = 0
-                for t, n in zip(mine, sizes):
+                for t, d, n in zip(mine, held, sizes):
+                    values = buffer[at:at + n].view(d.np).reshape(t.box.sizes)
                     for same in by_key[(t.fqn, t.box.offsets, t.box.sizes)]:
-                        same.tensor.copy_(buffer[at:at + n].clone().view(same.tensor.dtype).reshape(same.tensor.shape))
+                        fw.fill(same.tensor, values, d)
                     at += n
-                received += buffer.numel()
+                received += buffer.size
     finally:
-        for ranks, group in groups.items():
-            if ranks != world:
-                tdist.destroy_process_group(group)
+        comm.release(groups)
     return received

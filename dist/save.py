@@ -33,8 +33,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from hpckpt.converters.base import WriterOptions
 from hpckpt.converters.hyperparallel.reader import HyperParallelReader
 from hpckpt.converters.hyperparallel.writer import HyperParallelWriter, tensor_file, value_payload, values_file
@@ -58,10 +56,11 @@ from hpckpt.dist.coordination import (
     wait_for_start,
     write_json,
 )
+from hpckpt.dist import frameworks
 from hpckpt.dist.flatten import flatten
 from hpckpt.dist.job import Job, job_identity, this_job
 from hpckpt.dist.results import AsyncSaveHandle, SaveResult
-from hpckpt.dist.shards import as_numpy, is_tensor, shards_of
+from hpckpt.dist.shards import shards_of
 
 COORDINATIONS = ("collectives", "storage", "none")
 _CACHE_SIZE = 8
@@ -90,32 +89,16 @@ class _Local:
     paths: dict[str, tuple]
 
 
-def _staged_copy(local: torch.Tensor, pinned: bool) -> torch.Tensor:
-    copy = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pinned)
-    copy.copy_(local, non_blocking=pinned)
-    return copy
-
-
-def _describe(state_dict: Any, rank: int, *, stage: bool) -> _Local:
-    """Flatten the state dict, find each tensor's boxes, pickle each value (and prove hpckpt's
-    safe unpickler reads it back). `stage`: copy every shard (async_save)."""
-    flat, paths = flatten(state_dict, is_tensor)
+def _describe(flat: dict, paths: dict, fw, rank: int, global_rank: int, *, stage: bool) -> _Local:
+    """Find each tensor's boxes, pickle each value (and prove hpckpt's safe unpickler reads it
+    back). `stage`: copy every shard (async_save)."""
     rows, tensors, payloads, values = [], {}, {}, []
-    accelerated = False
     for fqn, obj in flat.items():
-        if is_tensor(obj):
-            shards = shards_of(fqn, obj)
+        if frameworks.is_any_tensor(obj):
+            shards = shards_of(fqn, obj, fw, global_rank)
             if shards.dtype.refusal:
                 raise UnsupportedDTypeError(f"{fqn}: {shards.dtype.name} cannot be saved: {shards.dtype.refusal}")
-            pieces = []
-            for box, t in shards.pieces:
-                if t.device.type != "cpu":
-                    accelerated = True
-                if stage:
-                    t = _staged_copy(t, pinned=t.device.type != "cpu" and torch.cuda.is_available())
-                elif t.device.type != "cpu":
-                    t = t.cpu()
-                pieces.append((box, as_numpy(t)))
+            pieces = [(box, fw.to_numpy(t, copy=stage)) for box, t in shards.pieces]
             rows.append((fqn, shards.dtype.name, shards.shape, [b for b, _ in pieces]))
             if pieces:
                 tensors[fqn] = MemoryTensor(shards.dtype, shards.shape, pieces)
@@ -130,8 +113,8 @@ def _describe(state_dict: Any, rank: int, *, stage: bool) -> _Local:
                     hint="save plain Python values (numbers, strings, lists, dicts, tuples) or tensors") from None
             payloads[fqn] = payload
             values.append(LocalValue(fqn, len(payload), hashlib.sha256(payload).hexdigest()))
-    if accelerated and stage:  # the non-blocking copies into pinned memory are done
-        torch.cuda.synchronize()
+    if stage and hasattr(fw, "after_staging"):  # non-blocking copies to pinned memory are done
+        fw.after_staging()
     return _Local(LocalPlan.build(rank, rows, values, paths), tensors, payloads, rows, paths)
 
 
@@ -162,7 +145,7 @@ class _Save:
     """One save, from planning to commit, on one rank."""
 
     def __init__(self, state_dict, checkpoint_id, *, process_group, coordinator, coordination, dedup, plan_cache,
-                 timeout, asynchronous):
+                 timeout, asynchronous, progress=None):
         if coordination not in COORDINATIONS:
             raise ValueError(f"coordination must be one of {', '.join(COORDINATIONS)}, not {coordination!r}")
         if dedup not in DEDUP_MODES:
@@ -171,7 +154,15 @@ class _Save:
         self.path = Path(checkpoint_id).absolute()
         self.coordination, self.dedup = coordination, dedup
         self.timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-        self.job = this_job(process_group, need_collectives=coordination == "collectives")
+        self.progress = progress
+        self.local_error: BaseException | None = None
+        self.local: _Local | None = None
+        try:
+            flat, paths = flatten(state_dict, frameworks.is_any_tensor)
+            self.framework = frameworks.of_state(flat)
+        except Exception as exc:
+            self.local_error, flat, paths, self.framework = exc, {}, {}, frameworks.of_state({})
+        self.job = this_job(self.framework, process_group, need_collectives=coordination == "collectives")
         if not 0 <= coordinator < self.job.world_size:
             raise ValueError(f"coordinator {coordinator} is not a rank of this job of {self.job.world_size}")
         self.coordinator = coordinator
@@ -185,10 +176,10 @@ class _Save:
             self.exchange = "storage"
         self.staging: Staging | None = None
         self.staging_path = shared_staging(self.path)
-        self.local_error: BaseException | None = None
-        self.local: _Local | None = None
         try:
-            self.local = _describe(state_dict, self.job.rank, stage=asynchronous)
+            if self.local_error is None:
+                self.local = _describe(flat, paths, self.framework, self.job.rank,
+                                       self.job.global_rank(self.job.rank), stage=asynchronous)
         except Exception as exc:  # reported to every rank in the first exchange
             self.local_error = exc
         self.cache_state = "off"
@@ -313,11 +304,13 @@ class _Save:
         through the writer, engine and accounting every command uses (`core.write`); returns them,
         their bytes and the writer's metadata of `plan`."""
         own = {v.fqn: self.local.payloads[v.fqn] for v in plan.values if v.rank in plan.producing}
-        writer = HyperParallelWriter(WriterOptions(framework="torch"), value_lengths=lengths, payloads=own)
+        writer = HyperParallelWriter(WriterOptions(framework=self.framework.NAME), value_lengths=lengths, payloads=own)
         layout = lay_out(plan, {}, writer)
-        source = memory_index(self.local.tensors, framework="torch")
+        source = memory_index(self.local.tensors, framework=self.framework.NAME)
+        if self.progress is not None:
+            self.progress.start(layout.nbytes)
         try:
-            _done, finished = fill(layout, source, writer, directory, WriteSettings(sync=True))
+            _done, finished = fill(layout, source, writer, directory, WriteSettings(sync=True, progress=self.progress))
         except BaseException as exc:
             for f in layout.files:  # what this rank began: on a full disk, the room to report the error
                 (directory / f.name).unlink(missing_ok=True)
@@ -370,7 +363,8 @@ class _Save:
         """The coordinator: every data file there with the size its rank reported, protocol and
         stale files gone, `.metadata` last, one rename."""
         full = self.global_plan.plan()
-        writer = HyperParallelWriter(WriterOptions(framework="torch"), value_lengths=self.global_plan.value_lengths)
+        writer = HyperParallelWriter(WriterOptions(framework=self.framework.NAME),
+                                     value_lengths=self.global_plan.value_lengths)
         layout = lay_out(replace(full, producing=()), {}, writer)
         expected = set(writer.expected_files(full))
         reported = {name: size for a in answers for name, size in a["files"]}
@@ -443,7 +437,7 @@ def _wait_in_flight() -> None:
 
 def save(state_dict: Any, checkpoint_id: str | os.PathLike, *, process_group: Any = None, coordinator: int = 0,
          coordination: str = "collectives", dedup: str = "balanced", plan_cache: bool = True,
-         timeout: float | None = None) -> SaveResult:
+         timeout: float | None = None, progress: Any = None) -> SaveResult:
     """Save `state_dict` (every rank calls this with its own shards) as a HyperParallel
     checkpoint at `checkpoint_id`, replacing a checkpoint there.
 
@@ -452,7 +446,8 @@ def save(state_dict: Any, checkpoint_id: str | os.PathLike, *, process_group: An
     `timeout` seconds, default 600) or "none" (each rank writes `{rank}.metadata` of its own
     items). `dedup`: who stores a box several ranks hold: "balanced" (least bytes, as
     HyperParallel), "lowest-rank" or "none" (every holder). `plan_cache`: reuse the global plan
-    when no rank's names, dtypes, shapes, layouts or values changed.
+    when no rank's names, dtypes, shapes, layouts or values changed. `progress`: an object with
+    `start(total_bytes)` and `advance(n)` told about this rank's bytes as they are written.
 
     Raises:
         SaveError: some rank failed (every rank raises it; nothing was committed).
@@ -460,7 +455,8 @@ def save(state_dict: Any, checkpoint_id: str | os.PathLike, *, process_group: An
         UnsafePickleError: a value hpckpt's safe unpickler would not read back (before any byte is written).
     """
     job = _planned(state_dict, checkpoint_id, dict(process_group=process_group, coordinator=coordinator,
-                   coordination=coordination, dedup=dedup, plan_cache=plan_cache, timeout=timeout), asynchronous=False)
+                   coordination=coordination, dedup=dedup, plan_cache=plan_cache, timeout=timeout,
+                   progress=progress), asynchronous=False)
     return job.persist()
 
 
@@ -485,7 +481,7 @@ def _plan_releasing(job: _Save) -> None:
 
 def async_save(state_dict: Any, checkpoint_id: str | os.PathLike, *, process_group: Any = None, coordinator: int = 0,
                coordination: str = "collectives", dedup: str = "balanced", plan_cache: bool = True,
-               timeout: float | None = None) -> AsyncSaveHandle:
+               timeout: float | None = None, progress: Any = None) -> AsyncSaveHandle:
     """`save`, returning once this rank's shards are copied (the caller may change its tensors
     then) and persisting on a background thread; `result(timeout)` returns its SaveResult or
     raises its error (then nothing was committed).
@@ -496,7 +492,7 @@ def async_save(state_dict: Any, checkpoint_id: str | os.PathLike, *, process_gro
     """
     started = time.perf_counter()
     options = dict(process_group=process_group, coordinator=coordinator, coordination=coordination, dedup=dedup,
-                   plan_cache=plan_cache, timeout=timeout)
+                   plan_cache=plan_cache, timeout=timeout, progress=progress)
     _wait_in_flight()
     job = _Save(state_dict, checkpoint_id, asynchronous=True, **options)
     if job.exchange != "storage" or coordination == "storage":  # collectives in the caller, or one rank
