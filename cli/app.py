@@ -24,6 +24,7 @@ from hpckpt.cli import convert_ms_torch as convert_ms_torch_cmd
 from hpckpt.cli import env as env_cmd
 from hpckpt.cli import inspect as inspect_cmd
 from hpckpt.cli import reshard as reshard_cmd
+from hpckpt.cli import run as run_cmd
 from hpckpt.cli import verify as verify_cmd
 from hpckpt.cli import _output
 from hpckpt.cli._errors import UsageErrors, set_debug
@@ -71,6 +72,7 @@ app.command("consolidate", epilog=consolidate_cmd.EXAMPLES)(consolidate_cmd.cons
 app.command("convert", epilog=convert_cmd.EXAMPLES)(convert_cmd.convert)
 app.command("convert-ms-torch", epilog=convert_ms_torch_cmd.EXAMPLES)(convert_ms_torch_cmd.convert_ms_torch)
 app.command("env")(env_cmd.env)
+app.add_typer(run_cmd.app, name="run")
 
 
 @app.command("completion")
@@ -88,7 +90,7 @@ def _command_problem(argv: list[str]) -> str | None:
     """What is wrong with the command named on the line (none given, or no such command), or
     None. click reports these before any hpckpt code runs (so `--json` could not answer them):
     they are found here first and said like every other usage error."""
-    names = [c.name for c in app.registered_commands]
+    names = [c.name for c in app.registered_commands] + [g.name for g in app.registered_groups]
     for arg in argv:
         if arg in ("-h", "--help", "--version") or (arg.startswith("-") and arg not in _ROOT_FLAGS):
             return None  # help, version, or an option click itself will judge

@@ -4,7 +4,8 @@
 # Subcommand names of the command PATH.
 _hpckpt_commands() {
     case $1 in
-        hpckpt) _hpckpt_words=(inspect verify reshard consolidate convert convert-ms-torch env completion) ;;
+        hpckpt) _hpckpt_words=(inspect verify reshard consolidate convert convert-ms-torch env completion run) ;;
+        'hpckpt run') _hpckpt_words=(selftest save load reshard bench) ;;
         *) _hpckpt_words=() ;;
     esac
 }
@@ -21,6 +22,12 @@ _hpckpt_options() {
         'hpckpt convert-ms-torch') _hpckpt_words=(--output -o --to --to-format --name-rules --no-preset --dtype --include -i --exclude -x --crc --max-memory --no-fsync --force --parents --skip-unsupported --dry-run --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt env') _hpckpt_words=(--json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt completion') _hpckpt_words=(--help -h) ;;
+        'hpckpt run') _hpckpt_words=(--launcher --nproc-per-node --nnodes --node-rank --master-addr --master-port --log-dir --dry-run --help -h) ;;
+        'hpckpt run selftest') _hpckpt_words=(--fail-rank --bytes --crash-rank --json --quiet -q --no-progress --debug --help -h) ;;
+        'hpckpt run save') _hpckpt_words=(--output -o --size --dtype --from --mesh --placements --layout-rules --layout-file --split --coordination --async --force --json --quiet -q --no-progress --debug --help -h) ;;
+        'hpckpt run load') _hpckpt_words=(--mesh --placements --layout-rules --layout-file --split --check --strict --no-strict --json --quiet -q --no-progress --debug --help -h) ;;
+        'hpckpt run reshard') _hpckpt_words=(--output -o --world-size -w --split --mesh --placements --layout-rules --layout-file --keep-layout --include -i --exclude -x --dtype --framework --max-memory --no-fsync --force --parents --json --quiet -q --no-progress --debug --help -h) ;;
+        'hpckpt run bench') _hpckpt_words=(--size --from --dtype --mesh --placements --layout-rules --split --rounds --output -o --json --quiet -q --no-progress --debug --help -h) ;;
         *) _hpckpt_words=() ;;
     esac
 }
@@ -77,6 +84,52 @@ _hpckpt_value() {
         'hpckpt convert-ms-torch --include'|'hpckpt convert-ms-torch -i') _hpckpt_kind=none ;;
         'hpckpt convert-ms-torch --exclude'|'hpckpt convert-ms-torch -x') _hpckpt_kind=none ;;
         'hpckpt convert-ms-torch --max-memory') _hpckpt_kind=none ;;
+        'hpckpt run --launcher') _hpckpt_kind=choice _hpckpt_words=(torchrun msrun) ;;
+        'hpckpt run --nproc-per-node') _hpckpt_kind=none ;;
+        'hpckpt run --nnodes') _hpckpt_kind=none ;;
+        'hpckpt run --node-rank') _hpckpt_kind=none ;;
+        'hpckpt run --master-addr') _hpckpt_kind=none ;;
+        'hpckpt run --master-port') _hpckpt_kind=none ;;
+        'hpckpt run --log-dir') _hpckpt_kind=file ;;
+        'hpckpt run selftest --fail-rank') _hpckpt_kind=none ;;
+        'hpckpt run selftest --bytes') _hpckpt_kind=none ;;
+        'hpckpt run selftest --crash-rank') _hpckpt_kind=none ;;
+        'hpckpt run save --output'|'hpckpt run save -o') _hpckpt_kind=file ;;
+        'hpckpt run save --size') _hpckpt_kind=none ;;
+        'hpckpt run save --dtype') _hpckpt_kind=choice _hpckpt_words=(bf16 fp16 fp32 fp64 bfloat16 float16 float32 float64) ;;
+        'hpckpt run save --from') _hpckpt_kind=file ;;
+        'hpckpt run save --mesh') _hpckpt_kind=none ;;
+        'hpckpt run save --placements') _hpckpt_kind=none ;;
+        'hpckpt run save --layout-rules') _hpckpt_kind=file ;;
+        'hpckpt run save --layout-file') _hpckpt_kind=file ;;
+        'hpckpt run save --split') _hpckpt_kind=choice _hpckpt_words=(balanced ceil) ;;
+        'hpckpt run save --coordination') _hpckpt_kind=choice _hpckpt_words=(collectives storage none) ;;
+        'hpckpt run load --mesh') _hpckpt_kind=none ;;
+        'hpckpt run load --placements') _hpckpt_kind=none ;;
+        'hpckpt run load --layout-rules') _hpckpt_kind=file ;;
+        'hpckpt run load --layout-file') _hpckpt_kind=file ;;
+        'hpckpt run load --split') _hpckpt_kind=choice _hpckpt_words=(balanced ceil) ;;
+        'hpckpt run reshard --output'|'hpckpt run reshard -o') _hpckpt_kind=file ;;
+        'hpckpt run reshard --world-size'|'hpckpt run reshard -w') _hpckpt_kind=none ;;
+        'hpckpt run reshard --split') _hpckpt_kind=choice _hpckpt_words=(balanced ceil) ;;
+        'hpckpt run reshard --mesh') _hpckpt_kind=none ;;
+        'hpckpt run reshard --placements') _hpckpt_kind=none ;;
+        'hpckpt run reshard --layout-rules') _hpckpt_kind=file ;;
+        'hpckpt run reshard --layout-file') _hpckpt_kind=file ;;
+        'hpckpt run reshard --include'|'hpckpt run reshard -i') _hpckpt_kind=none ;;
+        'hpckpt run reshard --exclude'|'hpckpt run reshard -x') _hpckpt_kind=none ;;
+        'hpckpt run reshard --dtype') _hpckpt_kind=choice _hpckpt_words=(bf16 fp16 fp32 fp64 bfloat16 float16 float32 float64) ;;
+        'hpckpt run reshard --framework') _hpckpt_kind=choice _hpckpt_words=(torch mindspore) ;;
+        'hpckpt run reshard --max-memory') _hpckpt_kind=none ;;
+        'hpckpt run bench --size') _hpckpt_kind=none ;;
+        'hpckpt run bench --from') _hpckpt_kind=file ;;
+        'hpckpt run bench --dtype') _hpckpt_kind=choice _hpckpt_words=(bf16 fp16 fp32 fp64 bfloat16 float16 float32 float64) ;;
+        'hpckpt run bench --mesh') _hpckpt_kind=none ;;
+        'hpckpt run bench --placements') _hpckpt_kind=none ;;
+        'hpckpt run bench --layout-rules') _hpckpt_kind=file ;;
+        'hpckpt run bench --split') _hpckpt_kind=choice _hpckpt_words=(balanced ceil) ;;
+        'hpckpt run bench --rounds') _hpckpt_kind=none ;;
+        'hpckpt run bench --output'|'hpckpt run bench -o') _hpckpt_kind=file ;;
         *) _hpckpt_kind= _hpckpt_words=() ;;
     esac
 }
@@ -91,6 +144,8 @@ _hpckpt_takes_args() {
         'hpckpt convert') return 0 ;;
         'hpckpt convert-ms-torch') return 0 ;;
         'hpckpt completion') return 0 ;;
+        'hpckpt run load') return 0 ;;
+        'hpckpt run reshard') return 0 ;;
         *) return 1 ;;
     esac
 }

@@ -74,7 +74,7 @@ _lock = threading.Lock()
 class SaveError(HpckptError):
     """A rank of the save failed; every rank raises it, and nothing was committed."""
 
-    exit_code = 19
+    exit_code = 21
     kind = "save-failed"
 
 
@@ -329,13 +329,16 @@ class _Save:
             exchange = self._storage()
         else:
             exchange = self.job.collectives()
+        own_error = None
         try:
             plan = replace(gp.plan([rank]), producing=(rank,))
             mine["files"], mine["bytes"], _finished = self._write_own(plan, self.staging_path, gp.value_lengths)
         except Exception as exc:
-            mine["error"] = _error_text(exc)
+            mine["error"], own_error = _error_text(exc), exc
         writing = time.perf_counter() - t0
         answers = exchange.all_gather("done", mine, "report the files written")
+        if own_error is not None:
+            raise own_error  # this rank's own error as it is; the others raise a SaveError naming this rank
         _errors(answers, "save failed while writing")
         if isinstance(exchange, Storage):  # the coordinator renames only after every rank has seen this
             if self.is_coordinator:

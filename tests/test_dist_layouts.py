@@ -1,0 +1,55 @@
+"""`hdist.sharded`: a local tensor with the layout it was cut by, in either framework's form."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import hpckpt.dist as hdist
+from hpckpt.core.box import Box
+from hpckpt.core.errors import GeometryError
+from hpckpt.dist.frameworks import torch_tensors
+from hpckpt.dist.shards import shards_of
+
+
+def test_mesh_placements_and_tensor_map_give_the_same_boxes():
+    by_placements = hdist.sharded(torch.zeros(1, 10), (4, 10), mesh=(2, 4), placements="R,S0")
+    by_map = hdist.sharded(torch.zeros(1, 10), (4, 10), device_matrix=(2, 4), tensor_map=(0, -1))
+    for rank in range(8):
+        a = shards_of("w", by_placements, torch_tensors, rank).pieces[0][0]
+        b = shards_of("w", by_map, torch_tensors, rank).pieces[0][0]
+        assert a == b == Box((rank % 4, 0), (1, 10))
+
+
+def test_the_split_rule_and_rank_list_are_the_layouts():
+    balanced = hdist.sharded(torch.zeros(3, 2), (10, 2), mesh=(4,), placements="S0")
+    ceil = hdist.sharded(torch.zeros(3, 2), (10, 2), mesh=(4,), placements="S0", split="ceil")
+    assert shards_of("w", balanced, torch_tensors, 0).pieces[0][0] == Box((0, 0), (3, 2))
+    assert shards_of("w", ceil, torch_tensors, 2).pieces[0][0] == Box((6, 0), (3, 2))
+    with pytest.raises(GeometryError, match="local tensor is \\[3, 2\\].*box \\[2, 2\\]"):
+        shards_of("w", balanced, torch_tensors, 3)
+    reversed_ranks = hdist.sharded(torch.zeros(5, 2), (10, 2), mesh=(2,), placements="S0", rank_list=(7, 3))
+    assert shards_of("w", reversed_ranks, torch_tensors, 7).pieces[0][0] == Box((0, 0), (5, 2))
+    assert shards_of("w", reversed_ranks, torch_tensors, 0).pieces == []  # not in the mesh: holds nothing
+
+
+def test_a_layout_is_given_once_and_must_fit():
+    with pytest.raises(ValueError, match="give the layout once"):
+        hdist.sharded(torch.zeros(1), (4,), mesh=(4,), placements="S0", device_matrix=(4,), tensor_map=(0,))
+    with pytest.raises(ValueError, match="needs placements"):
+        hdist.sharded(torch.zeros(1), (4,), mesh=(4,))
+    with pytest.raises(GeometryError):
+        hdist.sharded(torch.zeros(1), (4,), mesh=(4,), placements="S1")  # a dim the tensor lacks
+
+
+def test_a_mindspore_parameter_is_wrapped_and_filled_in_place(tmp_path):
+    mindspore = pytest.importorskip("mindspore")
+    from hpckpt.dist.frameworks import mindspore_tensors
+
+    full = np.arange(24, dtype=np.float32).reshape(8, 3)
+    hdist.save({"w": torch.from_numpy(full)}, tmp_path / "ck")
+    param = mindspore.Parameter(mindspore.Tensor(np.zeros((2, 3), np.float32)), name="w")
+    wrapped = hdist.sharded(param, (8, 3), device_matrix=(4,), tensor_map=(0,))
+    hdist.load({"w": wrapped}, tmp_path / "ck")  # one rank (rank 0): the first quarter of the rows
+    assert np.array_equal(mindspore_tensors.to_numpy(param, copy=True), full[:2])
