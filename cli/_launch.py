@@ -134,6 +134,11 @@ class LaunchPlan:
             changes["OMP_NUM_THREADS"] = "1"
         if self.launcher == "msrun":  # msrun starts `python` from PATH: ours, not another one
             changes["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+            # MindSpore's cluster polls with a retry interval of up to several seconds; 0-1 s halves the
+            # time from the job's end to msrun's exit (measured: 4.6-9.1 s -> 2.3-4.4 s)
+            for name, value in (("MS_RETRY_INTERVAL_LOWER", "0"), ("MS_RETRY_INTERVAL_UPPER", "1")):
+                if name not in os.environ:
+                    changes[name] = value
         return changes
 
     def display(self) -> str:

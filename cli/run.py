@@ -163,6 +163,14 @@ def _render(document: dict, seconds: float) -> None:
     from hpckpt.cli._output import human_bytes, result_line, write_table
 
     ranks = document["ranks"]
+    if document["job"] == "bench":  # one row per measurement, not per rank
+        from hpckpt.dist.jobs.bench_job import table
+
+        columns, rows = table(ranks)
+        write_table(f"bench: {document['world_size']} ranks ({document['launcher']}), times of the slowest rank",
+                    [(c, "left" if i == 0 else "right") for i, c in enumerate(columns)], rows)
+        result_line(f"bench done on {len(ranks)} ranks in {seconds:.1f} s (logs: {document['log_dir']})")
+        return
     keys: list[str] = []
     for result in ranks:
         for key, value in result.items():
@@ -305,7 +313,7 @@ def load(
     no_progress: opt.NoProgress = False,
     debug: opt.Debug = False,
 ) -> None:
-    """Load a checkpoint on every rank, each its own boxes of the layout given (default: as saved)."""
+    """Load a checkpoint on every rank, each its own boxes of the layout given (default: dim 0 over every rank)."""
     _check_rank_layout(_world_size(ctx), mesh, placements, rules, layout_files, split)
     _launch(ctx, {"job": "load", "ckpt": _absolute(ckpt), "mesh": mesh, "placements": placements,
                   "rules": _absolute(rules), "layout_files": [_absolute(p) for p in layout_files] if layout_files else None,
