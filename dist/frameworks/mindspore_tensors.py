@@ -247,6 +247,9 @@ class _Group:
     name: str | None
 
 
+FIRST_BLOCK_WORDS = 1024  # the first gather of a JSON exchange: 4 KiB a rank
+
+
 class Comm:
     """Exchanges over `mindspore.communication` (the CPU backend here, HCCL on Ascend). Ranks
     given to and returned by its methods are ranks of its group."""
@@ -283,15 +286,28 @@ class Comm:
         return buffer.view(np.int32).reshape(values.shape)
 
     def all_gather_json(self, obj: Any) -> list[Any]:
-        """Every rank's JSON-able `obj`, in rank order: the lengths, then the bytes padded to the
-        longest (as int32: the CPU AllGather moves no bytes)."""
+        """Every rank's JSON-able `obj`, in rank order, as int32 words (the CPU AllGather moves no
+        bytes). One gather of a fixed block carries each rank's length and its first bytes, which
+        is all of a short document; only when some rank's is longer does a second gather carry
+        the rest, padded to the longest. (An AllGather costs 30-60 ms on the CPU backend, about
+        the same for 4 bytes as for 4 KiB: measured with 4 ranks.)"""
         data = json.dumps(obj, separators=(",", ":")).encode()
-        lengths = self._all_gather_int32(np.array([len(data)], np.int32))[:, 0]
-        words = (int(lengths.max()) + 3) // 4
-        padded = np.zeros(words * 4, np.uint8)
-        padded[:len(data)] = np.frombuffer(data, np.uint8)
-        stacked = self._all_gather_int32(padded.view(np.int32)).view(np.uint8)
-        return [json.loads(stacked[r, :int(n)].tobytes()) for r, n in enumerate(lengths)]
+        head = np.zeros(FIRST_BLOCK_WORDS * 4, np.uint8)
+        head[:4] = np.frombuffer(np.array([len(data)], np.int32).tobytes(), np.uint8)
+        room = len(head) - 4
+        head[4:4 + min(len(data), room)] = np.frombuffer(data[:room], np.uint8)
+        heads = self._all_gather_int32(head.view(np.int32)).view(np.uint8)
+        lengths = [int(n) for n in heads[:, :4].copy().view(np.int32)[:, 0]]
+        docs = [heads[r, 4:4 + min(n, room)].tobytes() for r, n in enumerate(lengths)]
+        longest = max(lengths)
+        if longest > room:
+            words = (longest - room + 3) // 4
+            rest = np.zeros(words * 4, np.uint8)
+            tail = data[room:]
+            rest[:len(tail)] = np.frombuffer(tail, np.uint8)
+            stacked = self._all_gather_int32(rest.view(np.int32)).view(np.uint8)
+            docs = [d + stacked[r, :max(n - room, 0)].tobytes() for r, (d, n) in enumerate(zip(docs, lengths))]
+        return [json.loads(d) for d in docs]
 
     def barrier(self) -> None:
         """Every rank of the group got here (a gathered int: MindSpore's CPU barrier does not

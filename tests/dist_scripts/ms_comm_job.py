@@ -50,6 +50,14 @@ def main() -> int:
     want = [{"rank": r, "text": "é☃" * r, "list": list(range(r * 3))} for r in range(world)]
     check("all_gather_json small", small == want, small)
     check("all_gather_json None", comm.all_gather_json(None) == [None] * world)
+    # around the first gather's block (4 KiB a rank, 4 bytes of it the length): one rank just
+    # inside it, one exactly filling it, one a byte beyond (the second gather), in turn
+    for shift in range(world):
+        sizes = [4090, 4092, 4093, 1][:world]
+        mine = "x" * (sizes[(rank + shift) % world] - 2)  # json.dumps adds two quotes
+        edge = comm.all_gather_json(mine)
+        check(f"all_gather_json at the block's edge ({shift})",
+              edge == ["x" * (sizes[(r + shift) % world] - 2) for r in range(world)], [len(e) for e in edge])
 
     def big(r: int) -> dict:
         return {"rank": r, "blob": "ab" * (500_000 + 1_001 * r), "ints": list(range(r * 100))}
