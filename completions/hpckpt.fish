@@ -166,7 +166,7 @@ complete -c hpckpt -n '__fish_seen_subcommand_from run; and not __fish_seen_subc
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and not __fish_seen_subcommand_from selftest save load reshard bench' -l help -s h -d 'Show this message and exit.'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and not __fish_seen_subcommand_from selftest save load reshard bench' -a selftest -d 'Check the launcher set-up: every rank gathers every rank\'s host and pid, and reports.'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and not __fish_seen_subcommand_from selftest save load reshard bench' -a save -d 'Save a checkpoint from every rank (synthetic tensors, or those of SRC laid out over the ranks).'
-complete -c hpckpt -n '__fish_seen_subcommand_from run; and not __fish_seen_subcommand_from selftest save load reshard bench' -a load -d 'Load a checkpoint on every rank, each its own boxes of the layout given (default: as saved).'
+complete -c hpckpt -n '__fish_seen_subcommand_from run; and not __fish_seen_subcommand_from selftest save load reshard bench' -a load -d 'Load a checkpoint on every rank, each its own boxes of the layout given (default: dim 0 over every rank).'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and not __fish_seen_subcommand_from selftest save load reshard bench' -a reshard -d 'The offline reshard spread over the workers: each writes its share of the target ranks.'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and not __fish_seen_subcommand_from selftest save load reshard bench' -a bench -d 'Measure live save and load throughput over the ranks.'
 
