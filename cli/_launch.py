@@ -334,7 +334,8 @@ def launch(plan: LaunchPlan, on_progress: Callable[[job_files.RunFiles], None] |
     import subprocess
 
     plan.run_dir.mkdir(parents=True, exist_ok=True)
-    launcher_log = plan.run_dir / "launcher.log"
+    # one per node: the nodes of a job may share the log directory (then each sees every rank)
+    launcher_log = plan.run_dir / ("launcher.log" if plan.nnodes == 1 else f"launcher-node{plan.node_rank}.log")
     env = {**os.environ, **plan.env_changes()}
     started = time.monotonic()
     with open(launcher_log, "ab") as log:

@@ -2,7 +2,8 @@
 
 Few jobs, each checking much: success on 2 ranks (gather, progress, report), a failing rank on
 3 (exit 22, the rank and its log named, the job stopped at once, no worker left), a rank killed
-without a report, two nodes on one host, Ctrl-C, and one msrun success and one msrun failure.
+without a report, two nodes on one host sharing a log directory (a `load --check` job: each node
+reports every rank), Ctrl-C, and one msrun success and one msrun failure.
 """
 
 from __future__ import annotations
@@ -100,24 +101,30 @@ def test_a_rank_killed_without_a_report_is_named_from_the_launcher(tmp_path):
     assert not workers_left(run_dir)
 
 
-def test_two_nodes_on_one_host_see_one_world(tmp_path):
+def test_two_nodes_on_one_host_load_as_one_world(tmp_path):
+    """Two `hpckpt run --nnodes 2` processes on loopback, one log directory (as on shared
+    storage): one world of two ranks, every box checked, and each node's report covers both."""
+    import torch
+
+    import hpckpt.dist as hdist
     from hpckpt.cli._launch import free_port
 
-    port = free_port()
+    hdist.save({"w": torch.arange(24, dtype=torch.float32).reshape(6, 4), "step": 3}, tmp_path / "ck")
+    port, logs = free_port(), tmp_path / "logs"
     nodes = [subprocess.Popen([str(HPCKPT), "run", "--launcher", "torchrun", "--nnodes", "2", "--node-rank", str(node),
                                "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node", "1",
-                               "--log-dir", str(tmp_path / f"node{node}"), "selftest", "--json"],
+                               "--log-dir", str(logs), "load", str(tmp_path / "ck"), "--check", "--json"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
              for node in (0, 1)]
     outputs = [node.communicate(timeout=180) for node in nodes]
     for node, (stdout, stderr) in zip(nodes, outputs):
         assert node.returncode == 0, stderr
-    documents = [json.loads(stdout) for stdout, _ in outputs]
-    for node, document in enumerate(documents):
+    for stdout, _ in outputs:
+        document = json.loads(stdout)
         assert document["world_size"] == 2 and document["nodes"] == 2
-        (rank,) = document["ranks"]
-        assert (rank["rank"], rank["world_size"], rank["node_rank"]) == (node, 2, node)
-    assert documents[0]["ranks"][0]["peers"] == documents[1]["ranks"][0]["peers"]
+        assert [(r["rank"], r["checked_boxes"], r["checked_values"]) for r in document["ranks"]] == [(0, 1, 1), (1, 1, 1)]
+        assert document["totals"]["checked_bytes"] == 96
+    assert (logs / "launcher-node0.log").exists() and (logs / "launcher-node1.log").exists()
 
 
 def _sigint_as_on_a_terminal() -> None:
