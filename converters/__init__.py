@@ -20,7 +20,7 @@ from hpckpt.converters.safetensors_file import SafetensorsFileReader, Safetensor
 from hpckpt.converters.torch_dcp import TorchDcpReader, TorchDcpWriter
 from hpckpt.converters.torch_dcp.metadata_files import rank_local_files
 from hpckpt.converters.torch_save_file import TorchSaveFileWriter, TorchSaveReader
-from hpckpt.core.leftovers import leftover
+from hpckpt.core.leftovers import FRAGMENT_DIR, leftover
 from hpckpt.core.errors import (
     CorruptMetadataError,
     NotACheckpointError,
@@ -110,6 +110,12 @@ def detect(path: Path) -> Format:
         _refuse_unreadable_metadata(path / rank_local[0][1])
         raise UnknownFormatError(f"{path}/{rank_local[0][1]} is not PyTorch DCP metadata",
                                  hint=f"hpckpt reads: {recognised()}")
+    if path.is_dir() and (path / FRAGMENT_DIR).is_dir():
+        raise NotACheckpointError(
+            f"{path}: a fanned-out reshard whose metadata is not written yet (shares written by "
+            "`hpckpt reshard --rank` or `hpckpt run reshard`)",
+            hint=f"once every share is there: hpckpt reshard --finalize {path}",
+        )
     if path.is_dir() and (any(path.glob("_rank*_.safetensors")) or any(path.glob("__*_*.distcp"))):
         raise NotACheckpointError(
             f"{path}: data files but no metadata file: an interrupted save?",

@@ -293,6 +293,10 @@ def test_finalize_too_early_names_a_missing_file(tmp_path):
     result = cli("reshard", "--finalize", fan)
     assert result.exit_code == 8, (result.exit_code, result.stderr)
     assert any(name in result.stderr for name in missing), result.stderr
+    for command in ("inspect", "verify"):  # an unfinished fan-out is named as one, with what finishes it
+        result = cli(command, fan)
+        assert result.exit_code == 4 and "a fanned-out reshard whose metadata is not written yet" in result.stderr
+        assert f"hpckpt reshard --finalize {fan}" in result.stderr, result.stderr
     api.reshard(fixture, fan, spec, ranks=SHARES[2])  # the last share, then it finalizes
     api.finalize(fan)
     check_resharded(fan, fixture, spec)
