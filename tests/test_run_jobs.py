@@ -87,3 +87,25 @@ def test_a_rank_failing_while_writing_ends_the_job_named_and_leaves_no_checkpoin
     assert str(tmp_path / "logs" / "rank-1.log") in done.stderr
     assert not dest.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name != "logs"] == []  # no staging directory left either
+
+
+def test_save_from_an_existing_checkpoint_lays_it_out_anew(tmp_path):
+    """`save --from`: HyperParallel's own 4-rank checkpoint (uneven, ragged and nested entries)
+    loaded onto 2 ranks and saved again holds the same tensors and values, in the new layout."""
+    import numpy as np
+    from _util import FIXTURES, assert_bit_equal, expected_tensors, expected_values
+
+    from hpckpt.converters import open_index
+    from hpckpt.core.read import read_box
+
+    fixture = FIXTURES / "m0-torch-4rank"
+    doc = report(run("--nproc-per-node", "2", "save", "-o", str(tmp_path / "ck"), "--from", str(fixture),
+                     "--mesh", "2", "--placements", "S0", "--json"))
+    assert [r["source_format"] for r in doc["ranks"]] == ["hyperparallel"] * 2
+    index = open_index(tmp_path / "ck")
+    assert index.world_size == 2
+    for fqn, want in expected_tensors(fixture).items():
+        assert_bit_equal(np.asarray(read_box(index, index.tensors[fqn])), want, fqn)
+    for fqn, value in expected_values(fixture).items():
+        got = index.decode_value(fqn)
+        assert type(got).__name__ == value["type"] and (list(got) if value["type"] == "tuple" else got) == value["value"]
