@@ -120,11 +120,36 @@ def _world_size(ctx: typer.Context) -> int:
 
 # -- launching and reporting --------------------------------------------------------------------
 
+def _check_paths(spec: dict) -> None:
+    """What this node can tell before a launcher starts (10-25 s): a source that is not there,
+    a destination that exists without --force or that would overwrite the source. One line and
+    the error's own exit code, as every command gives; the workers check again (other nodes may
+    see other storage).
+
+    Raises:
+        PathNotFoundError, DestinationExistsError, UnsafeDestinationError.
+    """
+    import os
+
+    from hpckpt.core.destination import refuse_existing, refuse_unsafe
+    from hpckpt.core.errors import PathNotFoundError
+
+    source = spec.get("ckpt") or spec.get("src") or spec.get("from")
+    if source and not os.path.lexists(source):
+        raise PathNotFoundError(f"{source}: no such file or directory")
+    if spec["job"] in ("save", "reshard") and spec.get("out"):
+        out = Path(spec["out"])
+        refuse_unsafe(out, Path(source) if source else None)
+        refuse_existing(out, bool(spec.get("force")))
+
+
 def _launch(ctx: typer.Context, spec: dict) -> None:
     from hpckpt.cli import _launch as launching
     from hpckpt.cli import _output
 
     o = ctx.obj
+    if not o["dry_run"]:
+        _check_paths(spec)
     run_dir = Path(o["log_dir"]).expanduser().absolute() if o["log_dir"] else launching.default_run_dir()
     port = o["master_port"]
     if port is None and o["launcher"] == "msrun":

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import resource
 import time
+from pathlib import Path
 
 from hpckpt.api import parse_size
 from hpckpt.core.dtypes import dtype as parse_dtype
-from hpckpt.core.errors import DestinationExistsError, HpckptError
+from hpckpt.core.destination import refuse_existing
+from hpckpt.core.errors import HpckptError
 from hpckpt.converters import open_index
 from hpckpt.dist import frameworks
 from hpckpt.dist.jobs import states
@@ -65,8 +67,7 @@ def run(spec: dict, ctx) -> dict:
     import hpckpt.dist as hdist
 
     out = spec["out"]
-    if states.exists(out) and not spec.get("force"):
-        raise DestinationExistsError(f"{out} exists", hint="pass --force to replace it")
+    refuse_existing(Path(out), bool(spec.get("force")))  # as every writing command (the CLI checked on node 0)
     layout = states.layout_spec(spec, ctx.world_size)
     state, pieces, made = build_state(spec, ctx, layout)
     fw = frameworks.named(ctx.framework)

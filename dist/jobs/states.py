@@ -8,7 +8,6 @@ this rank's box, in nested dicts as the checkpoint's own nesting (HyperParallel'
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from hpckpt.core.box import Box
@@ -110,8 +109,3 @@ def nbytes_of(pieces: list[tuple[str, Sharded]], fw, rank: int) -> int:
         if box is not None:
             total += box.volume * fw.dtype_of(s.local, fqn).itemsize
     return total
-
-
-def exists(path: str | Path) -> bool:
-    p = Path(path)
-    return p.exists() and (not p.is_dir() or any(p.iterdir()))
