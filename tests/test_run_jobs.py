@@ -4,7 +4,8 @@ Four ranks of each framework save the synthetic model-shaped state; two ranks of
 of the other framework load it, and `--check` compares every loaded box with an independent
 read. A checkpoint saved by MindSpore ranks carries MindSpore's dtype strings and safetensors
 `__metadata__`, as HyperParallel's MindSpore platform writes. A rank that fails while writing
-ends the job, named, and leaves no checkpoint. Few and small jobs: msrun costs ~25 s each.
+ends the job, named, and leaves no checkpoint. `save --from` lays an existing checkpoint out
+anew. Few and small jobs: msrun costs ~15-25 s each.
 """
 
 from __future__ import annotations
