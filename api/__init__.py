@@ -12,6 +12,7 @@ and can be read like that document (`report["bytes_written"]`).
 
 from hpckpt.api.consolidate import consolidate
 from hpckpt.api.convert import convert, ms_torch_target, rename
+from hpckpt.api.diff import DiffReport, diff
 from hpckpt.api.inspect import inspect, rank_of
 from hpckpt.api.layouts import keep_layout_spec, source_layout
 from hpckpt.api.options import Selection, parse_size
@@ -21,7 +22,7 @@ from hpckpt.api.verify import verify
 from hpckpt.core.write import Progress, WriteSettings
 
 __all__ = [
-    "inspect", "verify", "reshard", "finalize", "consolidate", "convert", "ms_torch_target", "rename",
+    "inspect", "verify", "diff", "DiffReport", "reshard", "finalize", "consolidate", "convert", "ms_torch_target", "rename",
     "keep_layout_spec", "source_layout", "rank_of", "parse_size",
     "Selection", "WriteSettings", "Progress",
     "Report", "WriteReport", "FinalizeReport", "InspectReport", "VerifyReport",

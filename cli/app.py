@@ -25,6 +25,7 @@ from hpckpt.cli import env as env_cmd
 from hpckpt.cli import inspect as inspect_cmd
 from hpckpt.cli import reshard as reshard_cmd
 from hpckpt.cli import run as run_cmd
+from hpckpt.cli import diff as diff_cmd
 from hpckpt.cli import verify as verify_cmd
 from hpckpt.cli import _output
 from hpckpt.cli._errors import UsageErrors, set_debug
@@ -67,6 +68,7 @@ def root(
 
 app.command("inspect", epilog=inspect_cmd.EXAMPLES)(inspect_cmd.inspect)
 app.command("verify")(verify_cmd.verify)
+app.command("diff", epilog=diff_cmd.EXAMPLES)(diff_cmd.diff)
 app.command("reshard", epilog=reshard_cmd.EXAMPLES)(reshard_cmd.reshard)
 app.command("consolidate", epilog=consolidate_cmd.EXAMPLES)(consolidate_cmd.consolidate)
 app.command("convert", epilog=convert_cmd.EXAMPLES)(convert_cmd.convert)

@@ -31,6 +31,7 @@ COMMANDS = {
     "reshard": ["reshard", "{src}", "-o", "{out}/dst", "--world-size", "2"],
     "consolidate": ["consolidate", "{src}", "-o", "{out}/dst.safetensors"],
     "convert": ["convert", "{src}", "--to", "pt", "-o", "{out}/dst.pt"],
+    "diff": ["diff", "{src}", "{src}"],
 }
 
 
