@@ -20,6 +20,28 @@ def _splits(found) -> tuple[Shard, ...]:
     return tuple(Shard(d, "balanced" if r == "even" else r) for d, r in zip(found.dims, found.rules))
 
 
+def target_layout(world_size: int | None, split: str, mesh: str | None, placements: str | None,
+                  rules: str | Path | None, layout_files: Iterable[str | Path] | None) -> LayoutSpec:
+    """The layout the layout options name (`reshard`, `convert`, the jobs of `hpckpt run`): a
+    world size (dim 0 split), layout files, a rules file (with placements as its default), or a
+    mesh with placements. The caller has checked that exactly one target is named.
+
+    Raises:
+        ValueError: a malformed mesh or placement.
+    """
+    from hpckpt.core.layout import parse_mesh, parse_placements
+
+    if world_size is not None:
+        return LayoutSpec.for_world_size(world_size, split)
+    if layout_files:
+        return LayoutSpec.from_layout_files(list(layout_files))
+    target_mesh = parse_mesh(mesh) if mesh else None
+    if rules is not None:
+        spec = LayoutSpec.from_toml(rules, mesh=target_mesh)
+        return spec.with_default(parse_placements(placements, split)) if placements else spec
+    return LayoutSpec(target_mesh, parse_placements(placements, split))
+
+
 def keep_layout_spec(index: CheckpointIndex | str | Path, mesh: Mesh) -> LayoutSpec:
     """Each tensor keeps its layout and changes only the mesh size (HSDP-style); `index` is the
     source's index or its path.

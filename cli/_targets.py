@@ -27,20 +27,13 @@ def layout_spec(src, world_size, split, mesh, placements, rules, layout_files, k
     """The target layout the options name (reshard and convert); `src` is the source's index or
     path (read only by --keep-layout)."""
     from hpckpt import api
-    from hpckpt.core.layout import LayoutSpec, Mesh, parse_mesh, parse_placements
+    from hpckpt.api.layouts import target_layout
+    from hpckpt.core.layout import Mesh, parse_mesh
 
     check_layout_options(world_size, mesh, placements, rules, layout_files, keep_layout)
     if keep_layout:
         return api.keep_layout_spec(src, Mesh((world_size,)) if world_size is not None else parse_mesh(mesh))
-    if world_size is not None:
-        return LayoutSpec.for_world_size(world_size, split)
-    if layout_files:
-        return LayoutSpec.from_layout_files(layout_files)
-    target_mesh = parse_mesh(mesh) if mesh else None
-    if rules is not None:
-        spec = LayoutSpec.from_toml(rules, mesh=target_mesh)
-        return spec.with_default(parse_placements(placements, split)) if placements else spec
-    return LayoutSpec(target_mesh, parse_placements(placements, split))
+    return target_layout(world_size, split, mesh, placements, rules, layout_files)
 
 
 def settings(jobs, max_memory: str, no_fsync: bool, force: bool, progress=None, parents: bool = False):

@@ -80,6 +80,12 @@ def _size(text: str | None, option: str) -> int | None:
     return size
 
 
+def _layout(mesh, placements, rules, layout_files, split) -> dict:
+    """The layout options' part of a job's spec (paths absolute)."""
+    return {"mesh": mesh, "placements": placements, "rules": _absolute(rules),
+            "layout_files": [_absolute(p) for p in layout_files] if layout_files else None, "split": split}
+
+
 def _one_source(size: str | None, src: Path | None) -> None:
     if (size is None) == (src is None):
         raise typer.BadParameter("give exactly one of --size (synthetic tensors) or --from SRC")
@@ -98,9 +104,7 @@ def _check_rank_layout(world_size: int, mesh: str | None, placements: str | None
     try:
         if mesh:
             sizes = parse_mesh(mesh).shape
-            product = 1
-            for n in sizes:
-                product *= n
+            product = parse_mesh(mesh).size
             if product != world_size:
                 raise typer.BadParameter(f"--mesh {mesh} holds {product} ranks, the job has {world_size} "
                                          "(--nnodes x --nproc-per-node)")
@@ -316,9 +320,7 @@ def save(
     nbytes = _size(size, "--size")
     _check_rank_layout(_world_size(ctx), mesh, placements, rules, layout_files, split)
     _launch(ctx, {"job": "save", "out": _absolute(out), "size": nbytes, "dtype": dtype, "from": _absolute(src),
-                  "mesh": mesh, "placements": placements, "rules": _absolute(rules),
-                  "layout_files": [_absolute(p) for p in layout_files] if layout_files else None, "split": split,
-                  "coordination": coordination, "async": async_save, "force": force, "fail_rank": fail_rank})
+                  **_layout(mesh, placements, rules, layout_files, split), "coordination": coordination, "async": async_save, "force": force, "fail_rank": fail_rank})
 
 
 @app.command("load")
@@ -340,9 +342,8 @@ def load(
 ) -> None:
     """Load a checkpoint on every rank, each its own boxes of the layout given (default: dim 0 over every rank)."""
     _check_rank_layout(_world_size(ctx), mesh, placements, rules, layout_files, split)
-    _launch(ctx, {"job": "load", "ckpt": _absolute(ckpt), "mesh": mesh, "placements": placements,
-                  "rules": _absolute(rules), "layout_files": [_absolute(p) for p in layout_files] if layout_files else None,
-                  "split": split, "check": check, "strict": strict})
+    _launch(ctx, {"job": "load", "ckpt": _absolute(ckpt), **_layout(mesh, placements, rules, layout_files, split),
+                  "check": check, "strict": strict})
 
 
 @app.command("reshard")
@@ -377,9 +378,7 @@ def reshard(
     _targets.check_layout_options(world_size, mesh, placements, rules, layout_files, keep_layout)
     _size(max_memory, "--max-memory")
     _launch(ctx, {"job": "reshard", "src": _absolute(src), "out": _absolute(out), "world_size": world_size,
-                  "split": split, "mesh": mesh, "placements": placements, "rules": _absolute(rules),
-                  "layout_files": [_absolute(p) for p in layout_files] if layout_files else None,
-                  "keep_layout": keep_layout, "include": include or None, "exclude": exclude or None, "dtype": dtype,
+                  **_layout(mesh, placements, rules, layout_files, split), "keep_layout": keep_layout, "include": include or None, "exclude": exclude or None, "dtype": dtype,
                   "framework": framework, "max_memory": max_memory, "no_fsync": no_fsync, "force": force,
                   "parents": parents})
 

@@ -14,6 +14,7 @@ from types import ModuleType
 from typing import Any
 
 from hpckpt.core.box import Box
+from hpckpt.core.errors import GeometryError
 from hpckpt.core.dtypes import DType
 from hpckpt.dist.layouts import Sharded
 
@@ -28,6 +29,26 @@ class Shards:
     shape: tuple[int, ...]
     pieces: list[tuple[Box, Any]]
     replicated: bool = False
+
+
+def chunk_info_shards(fqn: str, local: Any, local_shape: tuple[int, ...], info: Any, dtype: DType) -> Shards:
+    """HyperParallel's `ChunkInfo(chunk, global_shape, ...)` on a plain local tensor: a shard
+    (for every framework: the object is HyperParallel's, not the framework's).
+
+    Raises:
+        GeometryError: not HyperParallel's ChunkInfo, or a box that does not fit the local tensor
+            or the global shape.
+    """
+    try:
+        chunk = info.chunk
+        box = Box(tuple(int(o) for o in chunk.offsets), tuple(int(s) for s in chunk.sizes))
+        shape = tuple(int(s) for s in info.global_shape)
+    except (AttributeError, TypeError, ValueError):
+        raise GeometryError(f"{fqn}: its chunk_info is not HyperParallel's ChunkInfo(chunk, global_shape)") from None
+    if tuple(local_shape) != box.sizes or not box.inside(shape):
+        raise GeometryError(f"{fqn}: chunk_info box {box} does not fit a local tensor {list(local_shape)} "
+                            f"of a global {list(shape)}")
+    return Shards(dtype, shape, [(box, local)])
 
 
 def shards_of(fqn: str, value: Any, framework: ModuleType, rank: int) -> Shards:

@@ -53,3 +53,30 @@ def test_a_mindspore_parameter_is_wrapped_and_filled_in_place(tmp_path):
     wrapped = hdist.sharded(param, (8, 3), device_matrix=(4,), tensor_map=(0,))
     hdist.load({"w": wrapped}, tmp_path / "ck")  # one rank (rank 0): the first quarter of the rows
     assert np.array_equal(mindspore_tensors.to_numpy(param, copy=True), full[:2])
+
+
+def test_load_check_names_a_box_that_differs_from_the_checkpoint(tmp_path):
+    """`hpckpt run load --check`'s comparison: a loaded state passes, one changed element fails
+    (exit 23), named; read a block of rows at a time (a tiny block forces many)."""
+    from hpckpt.converters import open_index
+    from hpckpt.core.layout import LayoutSpec
+    from hpckpt.dist.jobs import load_job, states
+
+    hdist.save({"w": torch.arange(40, dtype=torch.float32).reshape(10, 4), "lr": 0.5}, tmp_path / "ck")
+    state, pieces = states.empty_state(open_index(tmp_path / "ck"), LayoutSpec.for_world_size(1), 0, "torch")
+    hdist.load(state, tmp_path / "ck")
+    small = load_job.CHECK_TILE_BYTES
+    load_job.CHECK_TILE_BYTES = 16  # one row a block
+    try:
+        assert load_job.check(tmp_path / "ck", state, pieces, torch_tensors, 0) == \
+            {"checked_boxes": 1, "checked_bytes": 160, "checked_values": 1}
+        state["w"].local[9, 3] += 1  # the last row's last element
+        with pytest.raises(load_job.CheckFailedError, match="rank 0: w box \\[10, 4\\] at \\[0, 0\\] differs") as info:
+            load_job.check(tmp_path / "ck", state, pieces, torch_tensors, 0)
+        assert info.value.exit_code == 23
+        state["w"].local[9, 3] -= 1
+        state["lr"] = 0.25
+        with pytest.raises(load_job.CheckFailedError, match="value lr is 0.25, the checkpoint holds 0.5"):
+            load_job.check(tmp_path / "ck", state, pieces, torch_tensors, 0)
+    finally:
+        load_job.CHECK_TILE_BYTES = small

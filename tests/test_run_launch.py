@@ -328,3 +328,18 @@ def test_a_launcher_failing_after_the_ranks_is_said_so(tmp_path):
     scheduler = "[ERROR] ME(9084:1,MainProcess): [_api.py:385] Scheduler process 9094 exit with exception.\n"
     assert _launch.root_cause(run, scheduler, 1, tmp_path, log) == (
         f"msrun's scheduler failed (log: {tmp_path / 'scheduler.log'})")
+
+
+def test_what_node_0_can_tell_is_refused_before_any_launcher_starts(tmp_path):
+    """A missing source, an existing destination, a destination inside the source: one line,
+    the error's own exit code, and no log directory (nothing was launched)."""
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "x").write_text("x")
+    cases = [(3, ["load", tmp_path / "missing"], "no such file or directory"),
+             (14, ["save", "-o", tmp_path / "ck", "--size", "1MiB"], "exists"),
+             (16, ["reshard", tmp_path / "ck", "-o", tmp_path / "ck" / "out", "--world-size", "2"], "lies inside the source")]
+    for code, args, said in cases:
+        logs = tmp_path / f"logs-{code}"
+        result = cli("run", "--nproc-per-node", 2, "--log-dir", logs, *args)
+        assert result.exit_code == code, (args, result.stderr)
+        assert said in result.stderr.splitlines()[0] and not logs.exists(), result.stderr

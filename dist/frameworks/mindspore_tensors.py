@@ -32,11 +32,11 @@ from typing import Any
 import numpy as np
 import mindspore as ms
 
-from hpckpt.core.box import Box, full_box
+from hpckpt.core.box import full_box
 from hpckpt.core.cast import CASTABLE, cast, check_cast
 from hpckpt.core.dtypes import DType, dtype as parse_dtype
 from hpckpt.core.errors import GeometryError
-from hpckpt.dist.shards import Shards
+from hpckpt.dist.shards import Shards, chunk_info_shards
 
 NAME = "mindspore"
 
@@ -78,16 +78,7 @@ def native_shards(fqn: str, obj: Any) -> Shards:
     info = getattr(obj, "chunk_info", None)
     if info is None:
         return Shards(dtype, local_shape, [(full_box(local_shape), obj)], replicated=True)
-    try:
-        chunk = info.chunk
-        box = Box(tuple(int(o) for o in chunk.offsets), tuple(int(s) for s in chunk.sizes))
-        shape = tuple(int(s) for s in info.global_shape)
-    except (AttributeError, TypeError, ValueError):
-        raise GeometryError(f"{fqn}: its chunk_info is not HyperParallel's ChunkInfo(chunk, global_shape)") from None
-    if local_shape != box.sizes or not box.inside(shape):
-        raise GeometryError(f"{fqn}: chunk_info box {box} does not fit a local tensor {list(local_shape)} "
-                            f"of a global {list(shape)}")
-    return Shards(dtype, shape, [(box, obj)])
+    return chunk_info_shards(fqn, obj, local_shape, info, dtype)
 
 
 def _storage_view(array: np.ndarray, dtype: DType) -> np.ndarray:

@@ -16,7 +16,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from hpckpt.core.box import Box, full_box
 from hpckpt.core.dtypes import DType, dtype as parse_dtype
 from hpckpt.core.errors import GeometryError
-from hpckpt.dist.shards import Shards
+from hpckpt.dist.shards import Shards, chunk_info_shards
 
 NAME = "torch"
 
@@ -71,21 +71,6 @@ def _dtensor(fqn: str, value: DTensor) -> Shards:
     if any(s == 0 for s in sizes):
         offsets = tuple(min(o, n) for o, n in zip(offsets, shape))
     return Shards(dtype_of(local, fqn), shape, [(Box(offsets, sizes), local)])
-
-
-def chunk_info_shards(fqn: str, local: Any, local_shape: tuple[int, ...], info: Any, dtype: DType) -> Shards:
-    """HyperParallel's `ChunkInfo(chunk, global_shape, ...)` on a plain local tensor: a shard
-    (shared with the MindSpore module: the object is HyperParallel's, not the framework's)."""
-    try:
-        chunk = info.chunk
-        box = Box(tuple(int(o) for o in chunk.offsets), tuple(int(s) for s in chunk.sizes))
-        shape = tuple(int(s) for s in info.global_shape)
-    except (AttributeError, TypeError, ValueError):
-        raise GeometryError(f"{fqn}: its chunk_info is not HyperParallel's ChunkInfo(chunk, global_shape)") from None
-    if tuple(local_shape) != box.sizes or not box.inside(shape):
-        raise GeometryError(f"{fqn}: chunk_info box {box} does not fit a local tensor {list(local_shape)} "
-                            f"of a global {list(shape)}")
-    return Shards(dtype, shape, [(box, local)])
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:

@@ -25,6 +25,7 @@ Top-level imports are the standard library only: the CLI imports `table` to prin
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import statistics
@@ -33,6 +34,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable
+
+from hpckpt.core.durable import fsync_path
 
 KINDS = ("save", "async_save", "load")
 NATIVE = {"torch": "torch_dcp", "mindspore": "mindspore"}
@@ -373,7 +376,7 @@ class _MindSpore:
     def __init__(self, ctx, state: dict, nbytes: int):
         self.ctx, self.nbytes = ctx, nbytes
         self._items = [{"name": ".".join(map(str, path)), "data": s.local} for path, s in _sharded(state)
-                       if _volume(s.local.shape)]
+                       if math.prod(s.local.shape)]
 
     def _file(self, dest: Path) -> Path:
         dest.mkdir(parents=True, exist_ok=True)
@@ -390,7 +393,7 @@ class _MindSpore:
 
     def make_durable(self, dest: Path) -> None:
         """Not MindSpore's: the fsync of this rank's file that a durable save would add."""
-        _fsync(dest / f"rank_{self.ctx.rank}.ckpt")
+        fsync_path(dest / f"rank_{self.ctx.rank}.ckpt")
 
     def async_save(self, dest: Path) -> tuple[Callable[[], None], dict]:
         import mindspore
@@ -414,7 +417,7 @@ class _MindSpore:
 
         params = []
         for path, s in _sharded(target):
-            if _volume(s.local.shape):
+            if math.prod(s.local.shape):
                 s.local.name = ".".join(map(str, path))
                 params.append(s.local)
 
@@ -454,21 +457,6 @@ def _memfree_guard_off(serialization, active: bool):
         yield
     finally:
         serialization._get_available_memory = saved
-
-
-def _volume(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- the rounds -------------------------------------------------------------------------------
@@ -570,7 +558,7 @@ def _summary(kind: str, mine: list[dict], job: list[list[dict]], job_state_bytes
 
 def _job_state_bytes(pieces: list, fw) -> int:
     """The state's distinct bytes: every tensor's global size (replicas counted once)."""
-    return sum(_volume(s.shape) * fw.dtype_of(s.local, fqn).itemsize for fqn, s in pieces)
+    return sum(math.prod(s.shape) * fw.dtype_of(s.local, fqn).itemsize for fqn, s in pieces)
 
 
 def run(spec: dict, ctx) -> dict:

@@ -2,8 +2,8 @@
 `--check`, prove every loaded box equal to an independent read of it.
 
 The check opens the checkpoint a second time and reads each box of this rank with the offline
-reader (`core.read.read_box`), not through `load`'s planning, broadcasts or in-place fills, and
-compares raw bits; values are compared by type and value.
+reader (`core.read.read_box`), a block of rows at a time, not through `load`'s planning,
+broadcasts or in-place fills, and compares raw bits; values are compared by type and value.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpckpt.converters import open_index
+from hpckpt.core.box import Box
 from hpckpt.core.errors import HpckptError
 from hpckpt.core.read import OpenFiles, read_box
 from hpckpt.dist import frameworks
@@ -24,6 +25,25 @@ class CheckFailedError(HpckptError):
 
     exit_code = 23
     kind = "check-failed"
+
+
+CHECK_TILE_BYTES = 64 * 1024 * 1024  # the second read of a box, a block of rows at a time
+
+
+def _bytes(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+
+
+def _row_blocks(box: Box, itemsize: int):
+    """(rows, sub-box) blocks of `box` of at most `CHECK_TILE_BYTES` (one block for a 0-d box)."""
+    if box.ndim == 0:
+        yield (0, 1), box
+        return
+    row = max(1, box.volume // max(box.sizes[0], 1) * itemsize)
+    step = max(1, CHECK_TILE_BYTES // row)
+    for start in range(0, box.sizes[0], step):
+        n = min(step, box.sizes[0] - start)
+        yield (start, start + n), Box((box.offsets[0] + start, *box.offsets[1:]), (n, *box.sizes[1:]))
 
 
 def check(ckpt, state: dict, pieces: list, fw, rank: int) -> dict:
@@ -40,14 +60,15 @@ def check(ckpt, state: dict, pieces: list, fw, rank: int) -> dict:
             if box is None or box.is_empty:
                 continue
             entry = index.tensors[fqn]
-            expected = read_box(index, entry, box, files)
-            held = np.ascontiguousarray(fw.to_numpy(s.local, copy=False))
-            if held.dtype.itemsize != expected.dtype.itemsize or \
-                    not np.array_equal(held.reshape(-1).view(np.uint8), np.ascontiguousarray(expected).reshape(-1).view(np.uint8)):
-                raise CheckFailedError(f"rank {rank}: {fqn} box {list(box.sizes)} at {list(box.offsets)} "
-                                       "differs from the checkpoint")
+            held = fw.to_numpy(s.local, copy=False)
+            for rows, part in _row_blocks(box, entry.dtype.itemsize):  # the box a block of rows at a time
+                expected = read_box(index, entry, part, files)
+                mine = held[rows[0]:rows[1]] if box.ndim else held
+                if mine.dtype.itemsize != expected.dtype.itemsize or not np.array_equal(_bytes(mine), _bytes(expected)):
+                    raise CheckFailedError(f"rank {rank}: {fqn} box {list(box.sizes)} at {list(box.offsets)} "
+                                           "differs from the checkpoint")
+                nbytes += expected.nbytes
             boxes += 1
-            nbytes += expected.nbytes
     flat, _paths = flatten(state, frameworks.is_any_tensor)
     values = 0
     for fqn in index.values:

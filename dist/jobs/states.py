@@ -12,7 +12,7 @@ from typing import Any
 
 from hpckpt.core.box import Box
 from hpckpt.core.errors import GeometryError
-from hpckpt.core.layout import LayoutSpec, parse_mesh, parse_placements
+from hpckpt.core.layout import LayoutSpec, parse_mesh
 from hpckpt.dist.jobs import synthetic, tensors
 from hpckpt.dist.layouts import Sharded, sharded
 
@@ -23,19 +23,15 @@ def layout_spec(spec: dict, world_size: int) -> LayoutSpec:
     Raises:
         GeometryError: a mesh of another size than the job's world.
     """
-    split = spec.get("split") or "balanced"
+    from hpckpt.api.layouts import target_layout
+
     mesh = parse_mesh(spec["mesh"]) if spec.get("mesh") else None
     if mesh is not None and mesh.size != world_size:
         raise GeometryError(f"mesh {spec['mesh']} has {mesh.size} ranks, the job has {world_size}",
                             hint=f"launch {mesh.size} ranks (--nproc-per-node x --nnodes) or give a mesh of {world_size}")
-    if spec.get("layout_files"):
-        return LayoutSpec.from_layout_files(spec["layout_files"])
-    if spec.get("rules"):
-        chosen = LayoutSpec.from_toml(spec["rules"], mesh=mesh)
-        return chosen.with_default(parse_placements(spec["placements"], split)) if spec.get("placements") else chosen
-    if mesh is not None:
-        return LayoutSpec(mesh, parse_placements(spec.get("placements") or "S0", split))
-    return LayoutSpec.for_world_size(world_size, split)
+    named = spec.get("mesh") or spec.get("rules") or spec.get("layout_files")
+    return target_layout(None if named else world_size, spec.get("split") or "balanced", spec.get("mesh"),
+                         spec.get("placements"), spec.get("rules"), spec.get("layout_files"))
 
 
 def _box(layout, shape, rank) -> Box | None:
