@@ -10,20 +10,21 @@ and can be read like that document (`report["bytes_written"]`).
     api.convert("net.ckpt", "net.pt", rules="ms-to-torch")
 """
 
+from hpckpt.api.checksum import checksum
 from hpckpt.api.consolidate import consolidate
 from hpckpt.api.convert import convert, ms_torch_target, rename
 from hpckpt.api.diff import DiffReport, diff
 from hpckpt.api.inspect import inspect, rank_of
 from hpckpt.api.layouts import keep_layout_spec, source_layout
 from hpckpt.api.options import Selection, parse_size
-from hpckpt.api.reports import FinalizeReport, InspectReport, Report, VerifyReport, WriteReport
+from hpckpt.api.reports import ChecksumReport, FinalizeReport, InspectReport, Report, VerifyReport, WriteReport
 from hpckpt.api.reshard import finalize, reshard
 from hpckpt.api.verify import verify
 from hpckpt.core.write import Progress, WriteSettings
 
 __all__ = [
-    "inspect", "verify", "diff", "DiffReport", "reshard", "finalize", "consolidate", "convert", "ms_torch_target", "rename",
+    "inspect", "verify", "checksum", "diff", "DiffReport", "reshard", "finalize", "consolidate", "convert", "ms_torch_target", "rename",
     "keep_layout_spec", "source_layout", "rank_of", "parse_size",
     "Selection", "WriteSettings", "Progress",
-    "Report", "WriteReport", "FinalizeReport", "InspectReport", "VerifyReport",
+    "Report", "ChecksumReport", "WriteReport", "FinalizeReport", "InspectReport", "VerifyReport",
 ]

@@ -18,7 +18,8 @@ from hpckpt.api.layouts import check_fit
 from hpckpt.api.reports import PlanSummary, WriteReport
 from hpckpt.core.accounting import check_plan, check_source_chunks
 from hpckpt.converters.base import Format, WriterOptions
-from hpckpt.core import dtypes
+from hpckpt.converters import index_cache
+from hpckpt.core import dtypes, manifest
 from hpckpt.core.dtypes import DType
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.layout import LayoutSpec
@@ -26,7 +27,7 @@ from hpckpt.core.errors import UnsupportedDTypeError
 from hpckpt.core.plan import Plan, make_plan, out_dtype, whole_tensor_plan
 from hpckpt.core.plan_stats import rank_stats
 from hpckpt.core.validate import refuse_interrupted
-from hpckpt.core.write import WriteSettings, write_plan
+from hpckpt.core.write import ManifestFields, WriteSettings, write_plan
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,15 @@ def _layout_record(target: Target) -> dict:
         return {}
     uniform = not spec.rules and not spec.layouts
     return {"mesh": tuple(spec.mesh.shape), "placements": ",".join(map(str, spec.default)) if uniform else ""}
+
+
+def manifest_fields(src: str | Path, source: CheckpointIndex, target: Target) -> ManifestFields:
+    """What the output's manifest records besides its digests: its format and layout, the
+    source's identity, and the listing of the output (`converters.index_cache.snapshot`)."""
+    layout = {k: list(v) if isinstance(v, tuple) else v for k, v in _layout_record(target).items() if v}
+    return ManifestFields(target.format.name, layout,
+                          manifest.source_identity(Path(src), source.format, source.metadata_files),
+                          index_cache.snapshot)
 
 
 def unsupported(source: CheckpointIndex, target: Target, names: Iterable[str] | None) -> list[tuple[str, str]]:
@@ -155,7 +165,7 @@ def write(command: str, src: str | Path, dst: str | Path, source: CheckpointInde
         check_source_chunks(plan, source)
         result = write_plan(plan, source, writer, dst, settings, file_output=target.format.destination == "file",
                             fan_out=target.ranks is not None, read_back=target.format.reader.read_index,
-                            source_path=_source_root(src, source))
+                            source_path=_source_root(src, source), fields=manifest_fields(src, source, target))
         written, read, files, ranks = result.bytes_written, result.bytes_read, result.files, result.ranks
         base = dst.parent if target.format.destination == "file" else dst
         paths = tuple(str(base / name) for name in result.names)

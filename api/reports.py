@@ -191,6 +191,8 @@ class VerifyReport(Report):
     checked: dict
     findings: tuple[Finding, ...] = field(default_factory=tuple)
     strict: bool = False
+    deep: dict | None = None  # `--deep`/`--nan`: what was read (manifest, files, boxes, chunks, bytes, seconds)
+    nonfinite: tuple[dict, ...] | None = None  # `--nan`: per floating tensor, its NaN, +Inf and -Inf counts
 
     @property
     def exit_code(self) -> int:
@@ -208,4 +210,29 @@ class VerifyReport(Report):
             "exit_code": self.exit_code,
             "checked": self.checked,
             "findings": [f.to_json() for f in self.findings],
+            **({"deep": self.deep} if self.deep is not None else {}),
+            **({"nonfinite": list(self.nonfinite)} if self.nonfinite is not None else {}),
         }
+
+
+@dataclass(frozen=True)
+class ChecksumReport(Report):
+    """`checksum`: the manifest written, what it covers, and the chunks only a file digest covers
+    (`digest_only`: `{file, name, reason}`, strided or sharing bytes with another chunk)."""
+
+    path: str
+    format: str
+    manifest: str
+    files: int
+    boxes: int
+    bytes_read: int
+    seconds: float
+    digest_only: tuple[dict, ...] = ()
+    replaced: bool = False
+
+    def to_json(self) -> dict:
+        return {**envelope("checksum", written=(self.manifest,)), "path": self.path, "format": self.format,
+                "manifest": self.manifest, "files": self.files, "boxes": self.boxes, "bytes_read": self.bytes_read,
+                "seconds": round(self.seconds, 3),
+                "gib_per_s": round(self.bytes_read / self.seconds / 2**30, 3) if self.seconds > 0 else None,
+                "digest_only": list(self.digest_only)}

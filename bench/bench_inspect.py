@@ -7,7 +7,9 @@ Generates the checkpoint with `bench/make_synthetic_hp.py` into `bench/out/` (gi
 is absent, then times each command as a child process, start to exit, with its stdout sent to
 /dev/null: `--warmup` unmeasured runs, then the best (and median) of `--repeat` runs. Peak RSS is
 the child's own `ru_maxrss` (from `os.wait4`), so it is per command, not cumulative. `inspect` is
-measured cold (`HPCKPT_NO_CACHE=1`) and warm (a private `HPCKPT_CACHE_DIR` under `bench/out/`,
+measured from the checkpoint's manifest (written by the writer; its listing needs no unpickling),
+and without it (a twin of hard links without the manifest), both cold: `HPCKPT_NO_CACHE=1` and
+the checkpoint's files dropped from the page cache before each run; and warm (a private `HPCKPT_CACHE_DIR` under `bench/out/`,
 filled by the warm-up run), since hpckpt caches the index of large HyperParallel checkpoints.
 `python -c pass` and `python -c "import torch"` are timed as peers for context. Prints a Markdown
 table, then profiles `hpckpt inspect OUT --json` in this process with cProfile, cold (imports of
@@ -40,6 +42,32 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TARGET_SECONDS = 1.0
+MANIFEST = ".hpckpt-manifest.jsonl"
+
+
+def without_manifest(ckpt: Path) -> Path:
+    """A twin of `ckpt` of hard links to its files, without the manifest: what inspect reads when
+    a checkpoint has none (the metadata pickle), on the same bytes."""
+    twin = ckpt.parent / (ckpt.name + "-no-manifest")
+    shutil.rmtree(twin, ignore_errors=True)
+    twin.mkdir()
+    for p in ckpt.iterdir():
+        if p.is_file() and p.name != MANIFEST:
+            os.link(p, twin / p.name)
+    return twin
+
+
+def evict(paths: list[Path]) -> None:
+    """Drop the files from the page cache (`posix_fadvise(DONTNEED)`): a cold run reads the disk."""
+    for directory in paths:
+        for p in directory.iterdir():
+            if p.is_file():
+                fd = os.open(p, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
 
 
 def source_fingerprint() -> str:
@@ -71,7 +99,7 @@ def hpckpt_executable() -> str:
 
 
 def ensure_checkpoint(out: Path, ranks: int, tensors: int, regenerate: bool) -> None:
-    if (out / ".metadata").is_file() and not regenerate:
+    if (out / ".metadata").is_file() and (out / MANIFEST).is_file() and not regenerate:
         print(f"using existing {out}")
         return
     print(f"generating {out} ({ranks} ranks, {tensors} tensors) ...", flush=True)
@@ -93,11 +121,15 @@ def run_once(cmd: list[str], stdout_path: str = os.devnull, env: dict | None = N
     return wall, usage.ru_maxrss, proc.returncode, tail
 
 
-def measure(label: str, cmd: list[str], repeat: int, warmup: int, env: dict | None = None) -> dict:
+def measure(label: str, cmd: list[str], repeat: int, warmup: int, env: dict | None = None,
+            cold: list[Path] | None = None) -> dict:
+    """`cold`: directories whose files are evicted from the page cache before every run."""
     for _ in range(warmup):
         run_once(cmd, env=env)
     walls, rss, codes, tail = [], [], set(), ""
     for _ in range(repeat):
+        if cold:
+            evict(cold)
         wall, peak, code, tail = run_once(cmd, env=env)
         walls.append(wall)
         rss.append(peak)
@@ -210,9 +242,15 @@ def main(argv: list[str] | None = None) -> int:
     cache = ckpt.parent / "index-cache"
     shutil.rmtree(cache, ignore_errors=True)
     warm = {"HPCKPT_CACHE_DIR": str(cache)}
+    bare = str(without_manifest(ckpt))
     commands = [
         ("python -c pass", [sys.executable, "-c", "pass"], None),
         ('python -c "import torch"', [sys.executable, "-c", "import torch"], None),
+        ("hpckpt inspect OUT --json (from its manifest; no cache, page cache dropped)", [exe, "inspect", out, "--json"],
+         cold),
+        ("hpckpt inspect OUT (from its manifest; no cache, page cache dropped)", [exe, "inspect", out], cold),
+        ("hpckpt inspect OUT --json (no manifest, no cache, page cache dropped)", [exe, "inspect", bare, "--json"],
+         cold),
         ("hpckpt --help", [exe, "--help"], None),
         ("hpckpt inspect OUT --json (cold: no cache)", [exe, "inspect", out, "--json"], cold),
         ("hpckpt inspect OUT --json (warm cache)", [exe, "inspect", out, "--json"], warm),
@@ -220,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         ("hpckpt inspect OUT (warm cache)", [exe, "inspect", out], warm),
         ("hpckpt verify OUT --json", [exe, "verify", out, "--json"], None),
     ]
-    rows = [measure(label, cmd, args.repeat, max(args.warmup, 1 if env is warm else 0), env)
+    rows = [measure(label, cmd, args.repeat, max(args.warmup, 1 if env is warm else 0), env,
+                    [ckpt, Path(bare)] if "page cache dropped" in label else None)
             for label, cmd, env in commands]
 
     print("\n" + markdown_table(rows))

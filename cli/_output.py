@@ -53,14 +53,34 @@ def progress_wanted() -> bool:
 def emit_json(document: Any) -> None:
     """Print the run's one JSON document on stdout (key order as documented in the README); the
     warnings the command line itself printed join the document's."""
-    import json  # here: 3 ms of every start-up otherwise
-
     if isinstance(document, dict) and "warnings" in document:
         document["warnings"] = [*document["warnings"],
                                 *(w for w in _state.get("warnings", []) if w not in document["warnings"])]
     _state["emitted"] = True
-    sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
+    sys.stdout.write(pretty_json(document) + "\n")
     sys.stdout.flush()
+
+
+def pretty_json(document: Any) -> str:
+    """JSON with each top-level key on its own line and each element of a top-level list on its
+    own line, every element in compact form: as easy to read as `indent=2` for what commands
+    print, and encoded by json's C encoder (`indent` takes its pure-Python one: 0.8 s for the
+    10,000 tensors of the inspect benchmark, against 0.03 s)."""
+    import json  # here: 3 ms of every start-up otherwise
+
+    def dumps(value: Any) -> str:
+        return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
+
+    if not isinstance(document, dict) or not document:
+        return dumps(document)
+    lines = []
+    for key, value in document.items():
+        if isinstance(value, list) and value:
+            body = "[\n    " + ",\n    ".join(map(dumps, value)) + "\n  ]"
+        else:
+            body = dumps(value)
+        lines.append(f"  {dumps(key)}: {body}")
+    return "{\n" + ",\n".join(lines) + "\n}"
 
 
 def emitted() -> bool:

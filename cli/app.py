@@ -18,6 +18,7 @@ _signals.install_early()  # before the imports below: a signal during them exits
 import typer  # noqa: E402
 
 from hpckpt import __version__
+from hpckpt.cli import checksum as checksum_cmd
 from hpckpt.cli import consolidate as consolidate_cmd
 from hpckpt.cli import convert as convert_cmd
 from hpckpt.cli import convert_ms_torch as convert_ms_torch_cmd
@@ -69,6 +70,7 @@ def root(
 app.command("inspect", epilog=inspect_cmd.EXAMPLES)(inspect_cmd.inspect)
 app.command("verify")(verify_cmd.verify)
 app.command("diff", epilog=diff_cmd.EXAMPLES)(diff_cmd.diff)
+app.command("checksum", epilog=checksum_cmd.EXAMPLES)(checksum_cmd.checksum)
 app.command("reshard", epilog=reshard_cmd.EXAMPLES)(reshard_cmd.reshard)
 app.command("consolidate", epilog=consolidate_cmd.EXAMPLES)(consolidate_cmd.consolidate)
 app.command("convert", epilog=convert_cmd.EXAMPLES)(convert_cmd.convert)
@@ -113,6 +115,9 @@ def run() -> int:
     from hpckpt.core import process
 
     process.single_job = True  # e.g. a large pickle's load may be given an address-space bound
+    from hpckpt.core import manifest
+
+    manifest.COMMAND = ["hpckpt", *sys.argv[1:]]  # what every manifest written by this run records
     problem = _command_problem(sys.argv[1:])
     if problem is not None:
         _output.reset(None, json="--json" in sys.argv[1:])

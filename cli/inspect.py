@@ -54,7 +54,7 @@ def render(doc: dict) -> None:
     counts = doc["counts"]
     framework = f" (written by {doc['framework']})" if doc["framework"] else ""
     world = doc["world_size"]
-    n_meta = sum(1 for f in doc["files"] if f["path"].endswith(("metadata", ".json")))
+    n_meta = sum(1 for f in doc["files"] if f["path"].endswith(("metadata", ".json", ".jsonl")))
     summary = Table.grid(padding=(0, 2))
     summary.add_column(style="bold")
     summary.add_row("Checkpoint", Text(printable(doc["path"])))

@@ -4,7 +4,7 @@
 # Subcommand names of the command PATH.
 _hpckpt_commands() {
     case $1 in
-        hpckpt) _hpckpt_words=(inspect verify diff reshard consolidate convert convert-ms-torch env completion run) ;;
+        hpckpt) _hpckpt_words=(inspect verify diff checksum reshard consolidate convert convert-ms-torch env completion run) ;;
         'hpckpt run') _hpckpt_words=(selftest save load reshard bench) ;;
         *) _hpckpt_words=() ;;
     esac
@@ -15,8 +15,9 @@ _hpckpt_options() {
     case $1 in
         hpckpt) _hpckpt_words=(--debug --json --quiet -q --no-progress --version --help -h) ;;
         'hpckpt inspect') _hpckpt_words=(--include -i --exclude -x --shards -s --no-values --json --quiet -q --no-progress --debug --help -h) ;;
-        'hpckpt verify') _hpckpt_words=(--strict --json --quiet -q --no-progress --debug --help -h) ;;
+        'hpckpt verify') _hpckpt_words=(--strict --deep --nan --jobs -j --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt diff') _hpckpt_words=(--names --atol --rtol --allow-dtype --include -i --exclude -x --max-memory --json --quiet -q --no-progress --debug --help -h) ;;
+        'hpckpt checksum') _hpckpt_words=(--force --jobs -j --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt reshard') _hpckpt_words=(--output -o --world-size -w --split --mesh --placements --layout-rules --layout-file --keep-layout --rank -r --finalize --include -i --exclude -x --dtype --framework --jobs -j --max-memory --no-fsync --force --parents --dry-run --plan --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt consolidate') _hpckpt_words=(--output -o --format -f --include -i --exclude -x --dtype --max-shard-size --jobs -j --max-memory --no-fsync --force --parents --skip-unsupported --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt convert') _hpckpt_words=(--output -o --to -t --world-size -w --split --mesh --placements --layout-rules --layout-file --framework --names --dtype --include -i --exclude -x --max-shard-size --crc --jobs -j --max-memory --no-fsync --force --parents --skip-unsupported --dry-run --json --quiet -q --no-progress --debug --help -h) ;;
@@ -39,12 +40,14 @@ _hpckpt_value() {
         'hpckpt inspect --include'|'hpckpt inspect -i') _hpckpt_kind=none ;;
         'hpckpt inspect --exclude'|'hpckpt inspect -x') _hpckpt_kind=none ;;
         'hpckpt inspect --shards'|'hpckpt inspect -s') _hpckpt_kind=none ;;
+        'hpckpt verify --jobs'|'hpckpt verify -j') _hpckpt_kind=none ;;
         'hpckpt diff --names') _hpckpt_kind=none ;;
         'hpckpt diff --atol') _hpckpt_kind=none ;;
         'hpckpt diff --rtol') _hpckpt_kind=none ;;
         'hpckpt diff --include'|'hpckpt diff -i') _hpckpt_kind=none ;;
         'hpckpt diff --exclude'|'hpckpt diff -x') _hpckpt_kind=none ;;
         'hpckpt diff --max-memory') _hpckpt_kind=none ;;
+        'hpckpt checksum --jobs'|'hpckpt checksum -j') _hpckpt_kind=none ;;
         'hpckpt reshard --output'|'hpckpt reshard -o') _hpckpt_kind=file ;;
         'hpckpt reshard --world-size'|'hpckpt reshard -w') _hpckpt_kind=none ;;
         'hpckpt reshard --split') _hpckpt_kind=choice _hpckpt_words=(balanced ceil) ;;
@@ -147,6 +150,7 @@ _hpckpt_takes_args() {
         'hpckpt inspect') return 0 ;;
         'hpckpt verify') return 0 ;;
         'hpckpt diff') return 0 ;;
+        'hpckpt checksum') return 0 ;;
         'hpckpt reshard') return 0 ;;
         'hpckpt consolidate') return 0 ;;
         'hpckpt convert') return 0 ;;

@@ -5,22 +5,23 @@
 complete -c hpckpt -f
 
 # hpckpt
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff reshard consolidate convert convert-ms-torch env completion run' -l debug -d 'Show the full traceback when a command fails.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff reshard consolidate convert convert-ms-torch env completion run' -l json -d 'Print one JSON document (also after the command).'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff reshard consolidate convert convert-ms-torch env completion run' -l quiet -s q -d 'No progress and no informational lines; warnings about lost data are still printed.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff reshard consolidate convert convert-ms-torch env completion run' -l no-progress -d 'No progress display on stderr.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff reshard consolidate convert convert-ms-torch env completion run' -l version -d 'Print the version and exit.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff reshard consolidate convert convert-ms-torch env completion run' -l help -s h -d 'Show this message and exit.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff reshard consolidate convert convert-ms-torch env completion run' -a inspect -d 'Show the format, world size, files, tensors (dtype, shape, chunks) and values of a checkpoint.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff reshard consolidate convert convert-ms-torch env completion run' -a verify -d 'Check files, safetensors headers, keys, dtypes, shapes, chunk coverage and values.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff reshard consolidate convert convert-ms-torch env completion run' -a diff -d 'Compare two checkpoints entry by entry; exit 0 when equal within the tolerances, 25 when not.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff reshard consolidate convert convert-ms-torch env completion run' -a reshard -d 'Reshard a checkpoint to a new world size or layout (output: HyperParallel DCP).'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff reshard consolidate convert convert-ms-torch env completion run' -a consolidate -d 'Merge a sharded checkpoint into whole tensors for release or inference.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff reshard consolidate convert convert-ms-torch env completion run' -a convert -d 'Convert a checkpoint to another format: pt, ms, safetensors, hf, hp or torch-dcp.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff reshard consolidate convert convert-ms-torch env completion run' -a convert-ms-torch -d 'Convert between MindSpore and PyTorch: names, dtype strings and container.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff reshard consolidate convert convert-ms-torch env completion run' -a env -d 'Print versions of hpckpt, Python, its dependencies and the platform, for bug reports.'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff reshard consolidate convert convert-ms-torch env completion run' -a completion -d 'Print the shell completion script (the files in completions/ are this output).'
-complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff reshard consolidate convert convert-ms-torch env completion run' -a run -d 'Run a distributed job (save, load, reshard, bench, selftest) under torchrun or msrun.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff checksum reshard consolidate convert convert-ms-torch env completion run' -l debug -d 'Show the full traceback when a command fails.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff checksum reshard consolidate convert convert-ms-torch env completion run' -l json -d 'Print one JSON document (also after the command).'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff checksum reshard consolidate convert convert-ms-torch env completion run' -l quiet -s q -d 'No progress and no informational lines; warnings about lost data are still printed.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff checksum reshard consolidate convert convert-ms-torch env completion run' -l no-progress -d 'No progress display on stderr.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff checksum reshard consolidate convert convert-ms-torch env completion run' -l version -d 'Print the version and exit.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff checksum reshard consolidate convert convert-ms-torch env completion run' -l help -s h -d 'Show this message and exit.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff checksum reshard consolidate convert convert-ms-torch env completion run' -a inspect -d 'Show the format, world size, files, tensors (dtype, shape, chunks) and values of a checkpoint.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff checksum reshard consolidate convert convert-ms-torch env completion run' -a verify -d 'Check files, safetensors headers, keys, dtypes, shapes, chunk coverage and values.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff checksum reshard consolidate convert convert-ms-torch env completion run' -a diff -d 'Compare two checkpoints entry by entry; exit 0 when equal within the tolerances, 25 when not.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff checksum reshard consolidate convert convert-ms-torch env completion run' -a checksum -d 'Hash every data file and write the checkpoint\'s manifest (refused when verify finds errors).'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff checksum reshard consolidate convert convert-ms-torch env completion run' -a reshard -d 'Reshard a checkpoint to a new world size or layout (output: HyperParallel DCP).'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff checksum reshard consolidate convert convert-ms-torch env completion run' -a consolidate -d 'Merge a sharded checkpoint into whole tensors for release or inference.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff checksum reshard consolidate convert convert-ms-torch env completion run' -a convert -d 'Convert a checkpoint to another format: pt, ms, safetensors, hf, hp or torch-dcp.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff checksum reshard consolidate convert convert-ms-torch env completion run' -a convert-ms-torch -d 'Convert between MindSpore and PyTorch: names, dtype strings and container.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff checksum reshard consolidate convert convert-ms-torch env completion run' -a env -d 'Print versions of hpckpt, Python, its dependencies and the platform, for bug reports.'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff checksum reshard consolidate convert convert-ms-torch env completion run' -a completion -d 'Print the shell completion script (the files in completions/ are this output).'
+complete -c hpckpt -n 'not __fish_seen_subcommand_from inspect verify diff checksum reshard consolidate convert convert-ms-torch env completion run' -a run -d 'Run a distributed job (save, load, reshard, bench, selftest) under torchrun or msrun.'
 
 # hpckpt inspect
 complete -c hpckpt -n '__fish_seen_subcommand_from inspect' -l include -s i -x -d 'Only entries whose name matches (repeatable).'
@@ -36,6 +37,9 @@ complete -c hpckpt -n '__fish_seen_subcommand_from inspect' -F
 
 # hpckpt verify
 complete -c hpckpt -n '__fish_seen_subcommand_from verify' -l strict -d 'Treat warnings (e.g. leftover plan files) as errors.'
+complete -c hpckpt -n '__fish_seen_subcommand_from verify' -l deep -d 'Read every byte: against the manifest\'s digests when there is one, else every chunk through its format\'s reader.'
+complete -c hpckpt -n '__fish_seen_subcommand_from verify' -l nan -d 'Count NaN and Inf per floating tensor (reads the data; a tensor with any is a warning).'
+complete -c hpckpt -n '__fish_seen_subcommand_from verify' -l jobs -s j -x -d '--deep/--nan: threads reading (default: cores, at most 8).'
 complete -c hpckpt -n '__fish_seen_subcommand_from verify' -l json -d 'Print one JSON document (also before the command).'
 complete -c hpckpt -n '__fish_seen_subcommand_from verify' -l quiet -s q -d 'No progress and no informational lines; warnings about lost data are still printed.'
 complete -c hpckpt -n '__fish_seen_subcommand_from verify' -l no-progress -d 'No progress display on stderr.'
@@ -57,6 +61,16 @@ complete -c hpckpt -n '__fish_seen_subcommand_from diff' -l no-progress -d 'No p
 complete -c hpckpt -n '__fish_seen_subcommand_from diff' -l debug -d 'Show the full traceback when the command fails.'
 complete -c hpckpt -n '__fish_seen_subcommand_from diff' -l help -s h -d 'Show this message and exit.'
 complete -c hpckpt -n '__fish_seen_subcommand_from diff' -F
+
+# hpckpt checksum
+complete -c hpckpt -n '__fish_seen_subcommand_from checksum' -l force -d 'Replace an existing manifest.'
+complete -c hpckpt -n '__fish_seen_subcommand_from checksum' -l jobs -s j -x -d 'Threads reading (default: cores, at most 8).'
+complete -c hpckpt -n '__fish_seen_subcommand_from checksum' -l json -d 'Print one JSON document (also before the command).'
+complete -c hpckpt -n '__fish_seen_subcommand_from checksum' -l quiet -s q -d 'No progress and no informational lines; warnings about lost data are still printed.'
+complete -c hpckpt -n '__fish_seen_subcommand_from checksum' -l no-progress -d 'No progress display on stderr.'
+complete -c hpckpt -n '__fish_seen_subcommand_from checksum' -l debug -d 'Show the full traceback when the command fails.'
+complete -c hpckpt -n '__fish_seen_subcommand_from checksum' -l help -s h -d 'Show this message and exit.'
+complete -c hpckpt -n '__fish_seen_subcommand_from checksum' -F
 
 # hpckpt reshard
 complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -l output -s o -r -F -d 'Destination directory (HyperParallel DCP).'

@@ -1,4 +1,9 @@
-"""`.hpckpt.json`: what hpckpt's own directory writers record about the checkpoint they wrote.
+"""The world size and layout hpckpt's writers record: the manifest's header, or `.hpckpt.json`.
+
+hpckpt now writes this record as part of the manifest (`core.manifest`, `.hpckpt-manifest.jsonl`,
+whose header has the same `format`, `world_size`, `mesh`, `placements` and `metadata` sizes);
+checkpoints written before it have `.hpckpt.json`, described below, which is still read. A
+manifest, when there is one, is the record; `.hpckpt.json` is then not consulted.
 
 A rank that holds no data writes no file, so file names only give a lower bound of the world size
 (a 64-rank reshard of a small model may leave ranks 10..63 without a file). The HyperParallel and
@@ -31,11 +36,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from hpckpt import __version__
+from hpckpt.core import manifest
 from hpckpt.core.errors import HpckptError
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.input_files import load_json, read_small
 
 NAME = ".hpckpt.json"
+RECORDED = ("hyperparallel", "torch-dcp")  # the formats whose world size file names cannot tell
 SCHEMA = 1
 MAX_BYTES = 64 << 10  # what hpckpt writes is a few hundred bytes
 MAX_WORLD_SIZE = 1 << 20  # more is no real job; layout inference splits tensors into that many parts
@@ -87,7 +94,7 @@ def _disagreement(doc: dict, index: CheckpointIndex, inferred: int | None) -> st
         return (f"it says world size {doc['world_size']}, but files name only {inferred or 0} rank(s): more than "
                 f"{PLAUSIBLE_FACTOR} ranks without data per rank with data is not trusted (layouts would follow it)")
     named = set(doc["metadata"])
-    present = set(index.metadata_files) - {NAME}
+    present = set(index.metadata_files) - {NAME, manifest.NAME}
     if named != present:
         return f"it names metadata files {sorted(named)}, the checkpoint has {sorted(present)}"
     for name, info in doc["metadata"].items():
@@ -100,8 +107,26 @@ def _disagreement(doc: dict, index: CheckpointIndex, inferred: int | None) -> st
     return None
 
 
+def record_name(index: CheckpointIndex) -> str | None:
+    """The file that records the checkpoint: its manifest, else a legacy `.hpckpt.json`, else None."""
+    for name in (manifest.NAME, NAME):
+        if os.path.lexists(index.root / name):
+            return name
+    return None
+
+
 def _problem(index: CheckpointIndex, inferred: int | None) -> tuple[dict | None, str | None]:
     """The record and None, or None and what is wrong with it (a message naming the file)."""
+    if record_name(index) == manifest.NAME:
+        try:
+            found = manifest.read(index.root / manifest.NAME)
+        except HpckptError as exc:
+            return None, exc.message
+        doc = found.header
+        if doc.get("world_size") is None:
+            return None, f"{manifest.NAME}: it records no world size"
+        problem = _disagreement(doc, index, inferred)
+        return doc, None if problem is None else f"{manifest.NAME}: {problem}"
     try:
         doc = _read(index)
     except HpckptError as exc:
@@ -115,12 +140,14 @@ def _problem(index: CheckpointIndex, inferred: int | None) -> tuple[dict | None,
 def apply(index: CheckpointIndex) -> None:
     """Take the exact world size from the checkpoint's record when it has a sound one; list the
     record among the metadata files (idempotent: a cached index may have it already)."""
-    path = index.root / NAME
-    if not os.path.lexists(path):
+    name = record_name(index)
+    if name is None:
         return
-    if NAME not in index.metadata_files:
-        index.metadata_files.append(NAME)
+    if name not in index.metadata_files:
+        index.metadata_files.append(name)
     doc, problem = _problem(index, index.world_size)
+    if problem is not None and name == manifest.NAME and "records no world size" in problem:
+        return  # `hpckpt checksum` of a checkpoint whose world size nobody recorded
     if problem is not None:
         index.warnings.append(f"{problem} (ignored: the world size is inferred from file names)")
         return
@@ -131,9 +158,24 @@ def problems(index: CheckpointIndex, inferred: int | None) -> list[str]:
     """What `verify` reports about the record (none when absent or sound): everything `apply`
     checks, and the sha256 of each metadata file it names. `inferred` is the world size from
     file names (a record cannot be checked against its own world size)."""
-    if not os.path.lexists(index.root / NAME):
+    name = record_name(index)
+    if name is None:
         return []
+    if name == manifest.NAME and index.format not in RECORDED:  # a manifest that records no world size
+        try:
+            why = manifest.read(index.root / name).mismatch(index.root)
+        except HpckptError as exc:
+            return [exc.message]
+        return [] if why is None else [f"{manifest.NAME}: {why}"]
     doc, problem = _problem(index, inferred)
+    if name == manifest.NAME:
+        if problem is not None and "records no world size" in problem:
+            problem = None
+        if problem is None and doc is not None:
+            found = manifest.Manifest(index.root / manifest.NAME, doc)
+            why = found.mismatch(index.root, [n for n in index.metadata_files if n != NAME])
+            problem = None if why is None else f"{manifest.NAME}: {why}"
+        return [] if problem is None else [problem]
     if problem is None:
         for name, info in doc["metadata"].items():
             try:

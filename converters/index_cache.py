@@ -8,6 +8,11 @@ path, size, mtime, ctime and inode; any change to them misses the cache. Chunk l
 stored: a command that needs them parses the real metadata then. Only checkpoints whose
 metadata exceeds `MIN_METADATA_BYTES` are cached. `HPCKPT_NO_CACHE=1` turns it off;
 `HPCKPT_CACHE_DIR` moves it. `verify` never uses it: it always reads the real metadata.
+
+The same snapshot is the listing a manifest carries (`core.manifest`, its header's `index`), made
+by the writer from its output: `from_manifest` takes it while every metadata file has the size
+and digest the manifest records, so even the first `inspect` of a checkpoint hpckpt wrote (or
+`hpckpt checksum` recorded) needs no pickle. It is checkpoint input, so it is type-checked first.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from hpckpt import __version__
-from hpckpt.core import dtypes, input_files
+from hpckpt.core import dtypes, input_files, manifest
 from hpckpt.core.errors import HpckptError
 from hpckpt.core.index import CheckpointIndex, Chunk, Locator, TensorEntry, ValueEntry
 
@@ -86,6 +91,51 @@ def store(index: CheckpointIndex) -> None:
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+def snapshot(index: CheckpointIndex) -> dict:
+    """The listing of `index` a manifest carries: the snapshot, with each tensor's layout inferred."""
+    from hpckpt.core.layout import inferred_layouts
+
+    inferred_layouts(index)
+    return _encode(index)
+
+
+def from_manifest(root: Path, metadata_files: list[str], locator: Locator,
+                  parse: Callable[[], CheckpointIndex]) -> CheckpointIndex | None:
+    """The index from the listing in `root`'s manifest, or None (no manifest, no listing, a
+    listing that does not type-check, or metadata files that changed since it was written)."""
+    try:
+        found = manifest.read(root / manifest.NAME)
+        listing = found.header.get("index") if found is not None else None
+        if not isinstance(listing, dict) or not _sound(listing):
+            return None
+        if found.mismatch(root, metadata_files) is not None:
+            return None
+        return _decode(listing, root, locator, parse)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, HpckptError):
+        return None  # the metadata is read instead
+
+
+def _sound(doc: dict) -> bool:
+    """A listing from a checkpoint file has the snapshot's types and names no path outside it."""
+    def name(v) -> bool:
+        return isinstance(v, str) and not v.startswith("/") and ".." not in Path(v).parts
+
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    tensors, values = doc.get("tensors"), doc.get("values")
+    return (isinstance(tensors, list) and isinstance(values, list)
+            and all(isinstance(t, list) and len(t) == 6 and isinstance(t[0], str) and t[1] in dtypes.BY_NAME
+                    and isinstance(t[2], str) and isinstance(t[3], list) and all(map(count, t[3]))
+                    and count(t[4]) and (t[5] is None or isinstance(t[5], str)) for t in tensors)
+            and all(isinstance(v, list) and len(v) == 5 and isinstance(v[0], str) and name(v[1]) and count(v[2])
+                    and count(v[3]) and v[4] in ("pickle", "torch_save", "json") for v in values)
+            and all(isinstance(doc.get(k), list) and all(map(name, doc[k])) for k in ("metadata_files", "data_files"))
+            and isinstance(doc.get("format"), str) and isinstance(doc.get("notes", []), list)
+            and all(isinstance(n, str) for n in doc.get("notes", []))
+            and isinstance(doc.get("planner_data", []), list))
 
 
 def _encode(index: CheckpointIndex) -> dict:

@@ -119,12 +119,21 @@ def sidecar_name(safetensors_name: str) -> str:
 
 
 def sidecars_of(file_name: str) -> tuple[str, ...]:
-    """The sidecars hpckpt may have written beside the single-file output `file_name`: replacing
-    the file (`--force`) replaces them too, so that no old sidecar is read with a new file."""
-    return (sidecar_name(file_name),) if file_name.endswith(".safetensors") else ()
+    """The sidecars hpckpt may have written beside the single-file output `file_name` (its values,
+    its manifest): replacing the file (`--force`) replaces them too, so that no old sidecar is
+    read with a new file."""
+    from hpckpt.core import manifest
+
+    values = (sidecar_name(file_name),) if file_name.endswith(".safetensors") else ()
+    return (*values, manifest.sidecar_name(file_name))
 
 
 def owner_of(name: str) -> str | None:
-    """The safetensors file a sidecar named `name` belongs to; None for any other name."""
+    """The file a sidecar named `name` belongs to (a safetensors file's values, any single file's
+    manifest); None for any other name."""
+    from hpckpt.core import manifest
+
+    if name.endswith(manifest.SUFFIX):
+        return name.removesuffix(manifest.SUFFIX) or None
     stem = name.removesuffix(SIDECAR_SUFFIX)
     return f"{stem}.safetensors" if stem and stem != name else None

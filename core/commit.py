@@ -49,6 +49,7 @@ import os
 import shutil
 from pathlib import Path
 
+from hpckpt.core import manifest
 from hpckpt.core.durable import check_space, fsync_path, write_error, write_file
 from hpckpt.core.errors import (
     CorruptDataError,
@@ -248,8 +249,11 @@ class Fragment:
         write_file(tmp, data, self.sync)
         os.replace(tmp, path)
 
-    def commit(self, ranks: tuple[int, ...], metadata: tuple[tuple[str, bytes], ...], expected: list[str]) -> None:
-        """Move this job's staged files into `dest` and record them with the plan they belong to.
+    def commit(self, ranks: tuple[int, ...], metadata: tuple[tuple[str, bytes], ...], expected: list[str],
+               digests=None, header: dict | None = None) -> None:
+        """Move this job's staged files into `dest` and record them with the plan they belong to;
+        with `digests` (`manifest.FileDigest`s of its files) and the manifest's `header` (without
+        files), `finalize` writes the manifest of the whole output.
 
         Raises:
             DestinationExistsError: `dest` is a finished output already.
@@ -265,13 +269,18 @@ class Fragment:
             for name, data in metadata:
                 self._publish(self.fragments / f"plan-{plan[:16]}{name}", data)
             self._publish(plan_file, json.dumps({"plan": plan, "files": expected,
-                                                 "metadata": [name for name, _ in metadata]}).encode())
+                                                 "metadata": [name for name, _ in metadata],
+                                                 "manifest": header}).encode())
         names = sorted(os.listdir(self.path))
         for name in names:
             os.replace(self.path / name, self.dest / name)
         os.rmdir(self.path)
         record = {"plan": plan, "ranks": list(ranks), "files": names,
                   "identity": {name: _identity(self.dest / name) for name in names}}
+        if digests is not None:
+            record["digests"] = [[f.name, f.size, f.digest] for f in digests]
+            self._publish(self.fragments / f"lines-{min(ranks)}-{max(ranks)}-{plan[:16]}.jsonl",
+                          b"".join(manifest.file_line(f) for f in digests))
         self._publish(self.fragments / f"ranks-{min(ranks)}-{max(ranks)}-{plan[:16]}.json",
                       json.dumps(record, sort_keys=True).encode())
 
@@ -342,6 +351,7 @@ def _finalize(dest: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
     _check_unchanged(dest, records)
     staged = []  # written (and fsynced) under temporary names first: that can take a while
     try:
+        staged += _fan_out_manifest(dest, plan, records, digest)
         for name in plan["metadata"]:
             tmp = dest / f"{TMP_MARK}{os.getpid()}-{name}"
             tmp.unlink(missing_ok=True)
@@ -356,7 +366,33 @@ def _finalize(dest: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
             os.replace(tmp, target)
         fsync_path(dest)
     shutil.rmtree(fragments)
-    return tuple(plan["files"]), tuple(plan["metadata"])
+    return tuple(plan["files"]), tuple(target.name for _, target in staged)
+
+
+def _fan_out_manifest(dest: Path, plan: dict, records: list[dict], key: str) -> list[tuple[Path, Path]]:
+    """Write the manifest of a fanned-out output (under a temporary name, renamed with the
+    metadata) from the jobs' digests; returns `(temporary, final)` path pairs: none when the jobs
+    hashed nothing."""
+    header = plan.get("manifest")
+    if not isinstance(header, dict) or not all("digests" in r for r in records):
+        return []
+    files: dict[str, list] = {}
+    for record in records:
+        for name, size, hexdigest in record["digests"]:
+            files[name] = [size, hexdigest]
+    lines: dict[str, bytes] = {}
+    for path in sorted((dest / FRAGMENT_DIR).glob(f"lines-*-{key[:16]}.jsonl")):
+        for line in path.read_bytes().splitlines(keepends=True):
+            lines[json.loads(line)["file"]] = line  # a rank rerun wrote its file (and line) again
+    doc = dict(header, command=manifest.command_line())
+    doc["files"] = {}
+    for name in sorted(files):
+        entry = json.loads(lines[name])
+        doc["files"][name] = {"bytes": files[name][0], "digest": files[name][1], "boxes": len(entry["boxes"])}
+    tmp = dest / f"{TMP_MARK}{os.getpid()}-{manifest.NAME}"
+    tmp.unlink(missing_ok=True)
+    write_file(tmp, manifest.encode(doc, ()) + b"".join(lines[name] for name in sorted(files)))
+    return [(tmp, dest / manifest.NAME)]
 
 
 def _check_unchanged(dest: Path, records: list[dict]) -> None:

@@ -16,6 +16,7 @@ from hpckpt.core.errors import (
     PathNotFoundError,
     UnsafeDestinationError,
 )
+from hpckpt.core.manifest import SUFFIX as MANIFEST_SUFFIX
 from hpckpt.core.lock import LOCK_SUFFIX
 
 from hpckpt.core.leftovers import _STAGING_NAME, FRAGMENT_DIR, TMP_MARK, _sidecar_owner, _sidecars_of, staging_directory
@@ -134,11 +135,22 @@ def _foreign(path: Path) -> str | None:
             return f"it holds {len(names)} {'entry' if len(names) == 1 else 'entries'} and no checkpoint"
         return _unaccounted(path, names)
     if path.is_file():
+        if path.name.endswith(MANIFEST_SUFFIX):
+            return None if _is_manifest(path) else "it is not a manifest hpckpt wrote"
         if _sidecar_owner(path) is not None:
             return None if _is_sidecar(path) else "it is not a values sidecar hpckpt wrote"
         return None if _recognised(path) else (f"it is a file of {path.stat().st_size} bytes and no checkpoint "
                                                "hpckpt recognises")
     return "it is neither a regular file nor a directory"
+
+
+def _is_manifest(path: Path) -> bool:
+    from hpckpt.core import manifest
+
+    try:
+        return manifest.read(path) is not None
+    except (HpckptError, OSError):
+        return False
 
 
 def _unaccounted(path: Path, names: list[str]) -> str | None:
@@ -165,7 +177,11 @@ def _hpckpt_own(directory: Path, name: str, listed: set[str], fmt: str) -> bool:
     from hpckpt.converters.hf_sharded import SIDECAR_NAME
     from hpckpt.converters.values_sidecar import owner_of
 
-    if name in (hpckpt_json.NAME, FRAGMENT_DIR) or _STAGING_NAME.match(name):
+    from hpckpt.core import manifest
+
+    if name in (hpckpt_json.NAME, manifest.NAME, FRAGMENT_DIR) or _STAGING_NAME.match(name):
+        return True
+    if name.endswith(manifest.SUFFIX) and name.removesuffix(manifest.SUFFIX) in listed:  # a file's manifest
         return True
     if name.startswith(".") and name.endswith(LOCK_SUFFIX):
         return True

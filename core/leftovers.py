@@ -79,7 +79,8 @@ def leftover(path: Path) -> str | None:
         return f"{path} is the lock file of an hpckpt run ({_run(pid)}){_remove_hint(path, pid)}"
     owner = _sidecar_owner(path)
     if owner is not None and path.is_file() and not os.path.lexists(owner):
-        return (f"{path} is the values sidecar of {owner}, which does not exist (an hpckpt run that did not "
+        kind = "manifest" if path.name.endswith(".hpckpt-manifest.jsonl") else "values sidecar"
+        return (f"{path} is the {kind} of {owner}, which does not exist (an hpckpt run that did not "
                 f"finish, or the file was removed); remove it with `rm {shlex.quote(str(path))}` or rerun the command")
     return None
 

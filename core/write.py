@@ -8,10 +8,10 @@ writes a conversion from a checkpoint on disk and a save from arrays in memory.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from hpckpt.core import engine
+from hpckpt.core import engine, manifest
 from hpckpt.core.accounting import check_layout, check_written
 from hpckpt.core.commit import Fragment, Staging
 from hpckpt.core.durable import write_error
@@ -41,6 +41,19 @@ class WriteSettings:
     force: bool = False
     progress: Progress | None = None
     parents: bool = False  # create missing parent directories of the destination (`--parents`)
+    manifest: bool = True  # hash while writing and add the manifest (`core.manifest`); off only to measure its cost
+
+
+@dataclass(frozen=True)
+class ManifestFields:
+    """What the manifest says besides the digests: the output's format, its layout (`mesh`,
+    `placements`), the source's identity (`manifest.source_identity`), and `describe`, which turns
+    the staged output as its reader reads it into the listing `inspect` takes from the manifest."""
+
+    format_name: str
+    layout: dict = field(default_factory=dict)
+    source: dict | None = None
+    describe: Callable[[CheckpointIndex], dict] | None = None
 
 
 @dataclass(frozen=True)
@@ -66,7 +79,7 @@ class Written:
 def write_plan(plan: Plan, source: CheckpointIndex, writer, dest: Path, settings: WriteSettings, *,
                file_output: bool = False, fan_out: bool = False,
                read_back: Callable[[Path], CheckpointIndex] | None = None,
-               source_path: Path | None = None) -> Written:
+               source_path: Path | None = None, fields: ManifestFields | None = None) -> Written:
     """Lay `plan` out with `writer`, fill it from `source` and commit it at `dest`.
 
     `fan_out`: only the plan's producing ranks are written, straight into the shared `dest`
@@ -74,6 +87,7 @@ def write_plan(plan: Plan, source: CheckpointIndex, writer, dest: Path, settings
     `read_back` (the format's reader) reads the staged output's metadata before it is committed,
     to prove it holds every entry that was not reported skipped (`core.accounting`).
     `source_path` is where `source` was read from: `dest` may not overlap it (`core.commit`).
+    `fields`: what the manifest records besides the digests (none: no manifest is written).
 
     Raises:
         NoSpaceError: the output does not fit (checked first), or the disk filled up meanwhile.
@@ -88,10 +102,11 @@ def write_plan(plan: Plan, source: CheckpointIndex, writer, dest: Path, settings
     needed = sum(f.size for f in layout.files)
     try:
         if fan_out:
-            done, metadata = _write_fragment(plan, layout, source, writer, dest, settings, source_path, needed), ()
+            done, metadata = _write_fragment(plan, layout, source, writer, dest, settings, source_path, needed,
+                                             fields), ()
         else:
             done, metadata = _write_staged(plan, layout, source, writer, dest, settings, file_output, read_back,
-                                           source_path, needed)
+                                           source_path, needed, fields)
     except OSError as exc:
         if isinstance(exc, HpckptError):
             raise
@@ -110,12 +125,13 @@ def lay_out(plan: Plan, values: dict, writer) -> OutputLayout:
 def fill(layout: OutputLayout, source: CheckpointIndex, writer, directory: Path,
          settings: WriteSettings) -> tuple[engine.Executed, Finished]:
     """Create and fill the layout's data files in `directory` from `source`, with the writer's
-    patches, durable when `settings.sync`; returns what the engine did and the writer's metadata
-    files (not written: the caller decides where and whether)."""
-    done = engine.execute(layout, source, directory, **_engine_options(settings))
+    patches, durable when `settings.sync`; returns what the engine did (with every file's digests
+    when `settings.manifest`) and the writer's metadata files (not written: the caller decides
+    where and whether)."""
+    done = engine.execute(layout, source, directory, **_engine_options(settings), hashing=settings.manifest)
     finished = writer.finish(done.crcs)
-    engine.finish(layout, finished, directory, sync=settings.sync)
-    return done, finished
+    files = engine.finish(layout, finished, directory, sync=settings.sync, done=done)
+    return replace(done, files=files), finished
 
 
 def _engine_options(settings: WriteSettings) -> dict:
@@ -124,23 +140,41 @@ def _engine_options(settings: WriteSettings) -> dict:
     return dict(jobs=settings.jobs, max_memory=settings.max_memory, progress=advance, sync=settings.sync)
 
 
-def _write_fragment(plan, layout, source, writer, dest, settings, source_path, needed) -> engine.Executed:
+def _write_fragment(plan, layout, source, writer, dest, settings, source_path, needed, fields) -> engine.Executed:
     with Fragment(dest, source=source_path, sync=settings.sync, parents=settings.parents,
                   needed=needed) as fragment:
         done, finished = fill(layout, source, writer, fragment.path, settings)
         every_rank = replace(plan, producing=tuple(range(plan.world_size)))
-        fragment.commit(plan.producing, finished.metadata, writer.expected_files(every_rank))
+        header = None
+        if fields is not None and settings.manifest:  # finalize adds the files and the listing
+            header = manifest.header(format_name=fields.format_name, world_size=plan.world_size, files=(),
+                                     metadata=finished.metadata, source=fields.source, layout=fields.layout)
+        fragment.commit(plan.producing, finished.metadata, writer.expected_files(every_rank),
+                        digests=done.files if header is not None else None, header=header)
     return done
 
 
 def _write_staged(plan, layout, source, writer, dest, settings, file_output, read_back, source_path,
-                  needed) -> tuple[engine.Executed, tuple[str, ...]]:
-    """The staged write; returns what the engine did and the names of the metadata files."""
+                  needed, fields) -> tuple[engine.Executed, tuple[str, ...]]:
+    """The staged write; returns what the engine did and the names of the metadata files (the
+    manifest's included)."""
     with Staging(dest, source=source_path, force=settings.force, sync=settings.sync, file_output=file_output,
                  parents=settings.parents, needed=needed) as staging:
         done, finished = fill(layout, source, writer, staging.path, settings)
         staging.write_metadata(finished.metadata)
+        written = None
         if read_back is not None:  # the staged output, read as the format's reader reads it
-            check_written(plan, layout, read_back(staging.path / dest.name if file_output else staging.path))
+            written = read_back(staging.path / dest.name if file_output else staging.path)
+            check_written(plan, layout, written)
+        extra = ()
+        if fields is not None and settings.manifest:
+            name = manifest.sidecar_name(dest.name) if file_output else manifest.NAME
+            listing = fields.describe(written) if fields.describe is not None and written is not None else None
+            doc = manifest.header(format_name=fields.format_name, world_size=plan.world_size,
+                                  files=manifest.summaries(done.files),
+                                  metadata=finished.metadata, source=fields.source, layout=fields.layout,
+                                  index=listing)
+            extra = ((name, manifest.encode(doc, done.files)),)
+            staging.write_metadata(extra)
         staging.commit()
-    return done, tuple(name for name, _ in finished.metadata)
+    return done, tuple(name for name, _ in (*finished.metadata, *extra))

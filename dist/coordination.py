@@ -4,14 +4,17 @@ Every exchange is an `all_gather` of a JSON-able object under a phase name; each
 decides the same thing from the same list, so nothing is ever broadcast and no rank waits for a
 verdict it could compute itself.
 
-- `Collectives`: the framework's gather (torch's `all_gather_object`, MindSpore's AllGather).
+- `Collectives`: the framework's gather (torch's `all_gather_object`, MindSpore's AllGather);
+  when it fails (a peer died: connection closed; or the group's timeout) it raises a
+  `CoordinationTimeoutError`, as a storage wait does, not the framework's RuntimeError.
 - `Storage`: no collectives at all. Each rank writes `.hpckpt-PHASE-RANK.json` (written aside and
   renamed, so a reader never sees half a file) into the shared staging directory and polls for the
   others', for a bounded time: a rank that never arrives ends the wait with a
   `CoordinationTimeoutError` naming it. JSON, never pickles: a file on shared storage is not
   trusted code. Every file carries the save's nonce, which the coordinator puts in
   `.hpckpt-start.json` when it creates the staging directory, so files a killed save left are never
-  taken for this one's.
+  taken for this one's. The other ranks end their save only once they see the coordinator's
+  rename (`confirm_and_wait`): none reports a commit the coordinator did not make.
 """
 
 from __future__ import annotations
@@ -62,7 +65,14 @@ class Collectives:
         self.comm, self.rank, self.world_size = comm, comm.rank, comm.world_size
 
     def all_gather(self, phase: str, obj: Any, what: str | None = None) -> list[Any]:
-        return self.comm.all_gather_json(obj)
+        try:
+            return self.comm.all_gather_json(obj)
+        except RuntimeError as exc:  # the framework's own error: a peer died (connection closed) or hangs
+            said = " ".join(str(exc).split())[:300] or type(exc).__name__
+            raise CoordinationTimeoutError(
+                f"collectives: the process group failed while the ranks gathered '{phase}' ({said})",
+                hint="a rank died or hangs (see its log); a checkpoint is committed only once every rank "
+                     "reported its files") from exc
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -182,6 +192,45 @@ class Storage:
         found[self.coordinator] = coordinator
         found[self.rank] = {"data": obj}
         return [found[r]["data"] for r in range(self.world_size)]
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """The directory `path` is (device, inode), which a rename keeps; None when there is none."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def confirm_and_wait(exchange: Storage, phase: str, dest: Path) -> bool:
+    """A rank other than the coordinator, last: publish `phase` (the coordinator commits once
+    every rank has) and wait, at most `timeout`, for the outcome: True once the staging directory
+    has been renamed onto `dest` (the same inode), False when it is gone without that (the
+    coordinator failed and removed it: it raises the error). Without this wait a rank would
+    report a commit that the coordinator never made (it died, or its commit failed).
+
+    Raises:
+        CoordinationTimeoutError: the coordinator neither committed nor gave up within `timeout`.
+    """
+    staging = exchange.directory
+    ours = _identity(staging)
+    exchange.publish(phase, {})
+    deadline = time.monotonic() + exchange.timeout
+    pause = 0.002
+    while True:
+        if _identity(dest) == ours:
+            return True
+        start = read_json(staging / START)  # removed by the coordinator just before it commits
+        if _identity(staging) != ours or (isinstance(start, dict) and start.get("nonce") != exchange.nonce):
+            return _identity(dest) == ours  # (renamed in the meantime?)
+        if time.monotonic() > deadline:
+            raise CoordinationTimeoutError(
+                f"storage coordination: rank {exchange.coordinator} (the coordinator) did not commit {dest} within "
+                f"{exchange.timeout:g} s (waiting in {staging})",
+                hint="the coordinator died or hangs; no checkpoint was committed")
+        time.sleep(pause)
+        pause = min(pause * 1.5, 0.05)
 
 
 def wait_for_start(directory: Path, save_id: str, timeout: float, coordinator: int = 0) -> str:

@@ -33,10 +33,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from hpckpt.converters import index_cache
 from hpckpt.converters.base import WriterOptions
 from hpckpt.converters.hyperparallel.reader import HyperParallelReader
 from hpckpt.converters.hyperparallel.writer import HyperParallelWriter, tensor_file, value_payload, values_file
 from hpckpt.core.accounting import check_written
+from hpckpt.core import manifest
 from hpckpt.core.commit import Staging, shared_staging
 from hpckpt.core.durable import fsync_path, write_error, write_file
 from hpckpt.core.errors import HpckptError, UnsafePickleError, UnsupportedDTypeError
@@ -52,6 +54,7 @@ from hpckpt.dist.coordination import (
     START,
     Restarted,
     Storage,
+    confirm_and_wait,
     new_nonce,
     wait_for_start,
     write_json,
@@ -310,7 +313,7 @@ class _Save:
         if self.progress is not None:
             self.progress.start(layout.nbytes)
         try:
-            _done, finished = fill(layout, source, writer, directory, WriteSettings(sync=True, progress=self.progress))
+            done, finished = fill(layout, source, writer, directory, WriteSettings(sync=True, progress=self.progress))
         except BaseException as exc:
             for f in layout.files:  # what this rank began: on a full disk, the room to report the error
                 (directory / f.name).unlink(missing_ok=True)
@@ -318,6 +321,7 @@ class _Save:
                 raise write_error(exc, directory, layout.nbytes) from None
             raise
         files = [[f.name, f.size] for f in layout.files]
+        self.digests = done.files
         return files, sum(f.size for f in layout.files), finished
 
     def _persist_together(self) -> SaveResult:
@@ -333,6 +337,7 @@ class _Save:
         try:
             plan = replace(gp.plan([rank]), producing=(rank,))
             mine["files"], mine["bytes"], _finished = self._write_own(plan, self.staging_path, gp.value_lengths)
+            mine["digests"] = _manifest_part(self.staging_path, rank, self.digests)
         except Exception as exc:
             mine["error"], own_error = _error_text(exc), exc
         writing = time.perf_counter() - t0
@@ -343,8 +348,9 @@ class _Save:
         if isinstance(exchange, Storage):  # the coordinator renames only after every rank has seen this
             if self.is_coordinator:
                 exchange.all_gather("seen", {}, "confirm the reports")
-            else:
-                exchange.publish("seen", {})
+            elif not confirm_and_wait(exchange, "seen", self.path):
+                raise SaveError("the coordinator did not commit the checkpoint (its error is on its rank)",
+                                hint="nothing was committed")
         committed_error = None
         if self.is_coordinator:
             try:
@@ -377,12 +383,36 @@ class _Save:
             actual = os.stat(staging / name).st_size if (staging / name).exists() else None
             if size is None or actual != size:
                 raise SaveError(f"{name}: expected in the staging directory with {size} bytes, found {actual}")
+        parts = {_part_name(r) for r in range(len(answers))}
         for name in os.listdir(staging):
-            if name not in expected:
+            if name not in expected and name not in parts:
                 (staging / name).unlink()  # exchange files, and anything a killed save left
-        self.staging.write_metadata(writer.finish({}).metadata)
-        check_written(full, layout, HyperParallelReader().read_index(staging))  # as a loader will read it
+        metadata = writer.finish({}).metadata
+        self.staging.write_metadata(metadata)
+        written = HyperParallelReader().read_index(staging)  # as a loader will read it
+        check_written(full, layout, written)
+        self._write_manifest(answers, metadata, written)
         self.staging.commit()
+
+    def _write_manifest(self, answers: list[dict], metadata, written) -> None:
+        """The manifest (`core.manifest`): the header from the ranks' reports and the staged
+        output's listing, then each rank's box lines as it wrote them (no rank's data is read)."""
+        staging = self.staging.path
+        files = [tuple(d) for a in answers for d in a.get("digests") or ()]
+        doc = manifest.header(format_name="hyperparallel", world_size=self.job.world_size, files=files,
+                              metadata=metadata, index=index_cache.snapshot(written))
+        tmp = staging / f".tmp-{manifest.NAME}"
+        with open(tmp, "wb") as out:
+            out.write(manifest.encode(doc, ()))
+            for rank in range(len(answers)):
+                part = staging / _part_name(rank)
+                if part.exists():
+                    with open(part, "rb") as f:
+                        shutil.copyfileobj(f, out, 8 << 20)
+                    part.unlink()
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, staging / manifest.NAME)
 
     def _persist_rank_local(self) -> SaveResult:
         """`coordination="none"`: this rank's data files and `{rank}.metadata` (last), each
@@ -411,6 +441,18 @@ class _Save:
                           time.perf_counter() - t0, time.perf_counter() - self.started)
 
 
+def _part_name(rank: int) -> str:
+    return f".hpckpt-manifest-part-{rank}.jsonl"
+
+
+def _manifest_part(directory: Path, rank: int, digests) -> list[list]:
+    """Write this rank's box lines of the manifest beside its files (the coordinator joins them);
+    return what its report says of each file: name, size, digest and number of boxes."""
+    ordered = sorted(digests, key=lambda f: f.name)
+    write_file(directory / _part_name(rank), b"".join(manifest.file_line(f) for f in ordered), False)
+    return [list(s) for s in manifest.summaries(digests)]
+
+
 def _forget_rank_local(path: Path, rank: int, world_size: int) -> None:
     """Before a rank-local save writes: this rank's old `{rank}.metadata` goes first (a rank killed
     from here on leaves its part absent, never an old part beside new ones); the coordinator-free
@@ -420,7 +462,7 @@ def _forget_rank_local(path: Path, rank: int, world_size: int) -> None:
     if rank != 0:
         return
     for name in os.listdir(path):
-        stale = name in (".metadata", ".hpckpt.json")
+        stale = name in (".metadata", ".hpckpt.json", manifest.NAME)
         match = re.fullmatch(r"(?:(\d+)\.metadata|_rank(\d+)_\.(?:safetensors|bytes))", name)
         if match:
             stale = int(match.group(1) or match.group(2)) >= world_size
@@ -454,7 +496,8 @@ def save(state_dict: Any, checkpoint_id: str | os.PathLike, *, process_group: An
 
     Raises:
         SaveError: some rank failed (every rank raises it; nothing was committed).
-        CoordinationTimeoutError: some ranks did not arrive within `timeout` (storage).
+        CoordinationTimeoutError: some ranks did not arrive within `timeout` (storage), or the
+            process group failed (a rank died; collectives).
         UnsafePickleError: a value hpckpt's safe unpickler would not read back (before any byte is written).
     """
     job = _planned(state_dict, checkpoint_id, dict(process_group=process_group, coordinator=coordinator,

@@ -123,3 +123,70 @@ def run_torchrun(nproc: int, args: list[str], log: Path, env: dict, timeout: flo
             rc = None
         f.seek(0)
         return rc, f.read()
+
+
+MANIFEST = ".hpckpt-manifest.jsonl"
+RUN_FIELDS = ("command",)  # what differs between two runs writing the same bytes from one source
+
+
+def manifest_content(path: Path, drop: tuple[str, ...] = RUN_FIELDS) -> tuple[dict, list[str]]:
+    """A manifest's header without the fields of one run (`drop`), and its box lines: two
+    outputs with the same bytes have the same content."""
+    header, *lines = path.read_text().splitlines()
+    doc = json.loads(header)
+    for key in drop:
+        doc.pop(key, None)
+    return doc, lines
+
+
+def tree_without_manifest(tree: dict[str, bytes]) -> dict[str, bytes]:
+    return {name: data for name, data in tree.items() if not name.endswith(MANIFEST)}
+
+
+def assert_manifest_matches(root: Path) -> None:
+    """Every file the manifest of the directory `root` lists, read back: its size, file digest and
+    box digests are the ones the writer recorded while writing."""
+    from hpckpt.core import digest, manifest
+
+    found = manifest.read(Path(root) / MANIFEST)
+    assert found is not None, f"{root} has no manifest"
+    for entry in found.file_digests():
+        path = Path(root) / entry.name
+        assert path.stat().st_size == entry.size, entry.name
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            got = digest.scan_file(fd, entry.size, [b.extents for b in entry.boxes])
+        finally:
+            os.close(fd)
+        assert got.digest == entry.digest, entry.name
+        assert list(got.boxes) == [b.digest for b in entry.boxes], entry.name
+
+
+def normalized_manifest(data: bytes) -> bytes:
+    """A manifest's bytes without what names the run (its command line, the source's path and
+    identity) and without the listing (derived from the metadata, compared on its own; a
+    fan-out's finalize writes none): what two runs writing the same output agree on."""
+    header, _, rest = data.partition(b"\n")
+    try:
+        doc = json.loads(header)
+    except ValueError:
+        return data  # one a killed run left half-written in its staging directory
+    for key in ("command", "source", "index"):
+        doc.pop(key, None)
+    return json.dumps(doc, sort_keys=True).encode() + b"\n" + rest
+
+
+def normalized_tree(tree: dict[str, bytes]) -> dict[str, bytes]:
+    """`tree` (name: bytes) with every manifest normalized (`normalized_manifest`)."""
+    return {n: normalized_manifest(d) if n.endswith(MANIFEST) and d is not None else d for n, d in tree.items()}
+
+
+def file_tree(root: Path) -> dict[str, bytes | None]:
+    """Every name under `root` (hidden ones too): a file's bytes, None for a directory."""
+    out: dict[str, bytes | None] = {}
+    for folder, dirs, files in os.walk(root):
+        for d in dirs:
+            out[os.path.relpath(os.path.join(folder, d), root)] = None
+        for f in files:
+            out[os.path.relpath(os.path.join(folder, f), root)] = Path(folder, f).read_bytes()
+    return out

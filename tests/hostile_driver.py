@@ -28,6 +28,7 @@ COMMANDS = {
     "inspect-json": ["inspect", "--json", "{src}"],
     "verify": ["verify", "{src}"],
     "verify-json": ["verify", "--json", "{src}"],
+    "verify-deep": ["verify", "--deep", "--nan", "{src}"],
     "reshard": ["reshard", "{src}", "-o", "{out}/dst", "--world-size", "2"],
     "consolidate": ["consolidate", "{src}", "-o", "{out}/dst.safetensors"],
     "convert": ["convert", "{src}", "--to", "pt", "-o", "{out}/dst.pt"],

@@ -98,7 +98,8 @@ def test_safetensors_bit_exact_with_values_side_file(name, tmp_path):
     assert report["bytes_written"] == sum(t.numel() * t.element_size() for t in want.values())
     side = tmp_path / "model.values.json"
     assert_values_document(json.loads(side.read_text()), expected_values(fixture))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "model.values.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "model.safetensors.hpckpt-manifest.jsonl",
+                                                          "model.values.json"]
     assert snapshot(fixture) == before
 
 

@@ -493,7 +493,7 @@ def test_torch_dcp_to_hp_to_torch_dcp(sharded_dcp, tmp_path):
     back = tmp_path / "dcp"
     report = api.convert(hp, back, "torch-dcp")
     check_output("torch-dcp", back, tensors, values, report, tmp_path)
-    assert sorted(p.name for p in back.iterdir()) == [".hpckpt.json", ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(p.name for p in back.iterdir()) == [".hpckpt-manifest.jsonl", ".metadata", "__0_0.distcp", "__1_0.distcp"]
     # the round trip keeps torch's own chunking (boxes are stored once, replicas too)
     assert boxes_of_torch_dcp(back) == boxes_of_hp(hp)
     assert filled(boxes_of_torch_dcp(back)) == filled(boxes_of_torch_dcp(src))
@@ -510,7 +510,7 @@ def test_torch_dcp_output_keeps_the_hp_chunking(sharded_dcp, tmp_path):
     out = tmp_path / "dcp3"
     result = cli("convert", hp, "-o", out, "--to", "torch-dcp")
     assert result.exit_code == 0, result.stderr
-    assert sorted(p.name for p in out.iterdir()) == [".hpckpt.json", ".metadata", "__0_0.distcp", "__1_0.distcp",
+    assert sorted(p.name for p in out.iterdir()) == [".hpckpt-manifest.jsonl", ".metadata", "__0_0.distcp", "__1_0.distcp",
                                                      "__2_0.distcp"]
     assert boxes_of_torch_dcp(out) == boxes_of_hp(hp)
     assert len(boxes_of_hp(hp)["rows"]) == 3  # 5 rows over 3 ranks: really re-chunked

@@ -31,7 +31,7 @@ SCRIPTS = Path(__file__).parent / "dist_scripts"
 FIXTURES_JOB = SCRIPTS / "fixtures_job.py"
 STORAGE_JOB = SCRIPTS / "storage_job.py"
 HPCKPT = Path(sys.executable).with_name("hpckpt")
-CKPT_FILE = re.compile(r"(\.metadata|\d+\.metadata|_rank\d+_\.safetensors|_rank\d+_\.bytes|\.hpckpt\.json)")
+CKPT_FILE = re.compile(r"(\.metadata|\d+\.metadata|_rank\d+_\.safetensors|_rank\d+_\.bytes|\.hpckpt\.json|\.hpckpt-manifest\.jsonl)")
 
 # Environment of a child: nothing of an enclosing torchrun/launcher may leak into it.
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",

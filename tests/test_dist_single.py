@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from _util import MANIFEST, assert_manifest_matches, manifest_content
 
 import hpckpt.dist as hdist
 from hpckpt.core.errors import EntryMismatchError, HpckptError, UnsafePickleError
@@ -58,17 +59,20 @@ def test_save_commits_once_and_loads_back_bit_exact(tmp_path):
     result = hdist.save(_state(), ckpt)
     assert result.committed and result.world_size == 1 and result.plan_cache == "miss"
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no staging, lock or exchange file beside it
-    assert sorted(os.listdir(ckpt)) == [".hpckpt.json", ".metadata", "_rank0_.bytes", "_rank0_.safetensors"]
+    assert sorted(os.listdir(ckpt)) == [".hpckpt-manifest.jsonl", ".metadata", "_rank0_.bytes", "_rank0_.safetensors"]
     assert _verify(ckpt).returncode == 0
+    assert_manifest_matches(ckpt)
     target = _blank()
     loaded = hdist.load(target, ckpt)
     assert _equal(target, _state())
     assert loaded.tensors == 5 and loaded.values == 4 and loaded.read_amplification == 1.0
     assert loaded.bytes_read == loaded.job_bytes_wanted == 60 + 8 + 48 + 4 + 60
     # the same state again: the cached plan, the same bytes, the old checkpoint replaced
-    before = {n: (ckpt / n).read_bytes() for n in os.listdir(ckpt)}
+    before = {n: (ckpt / n).read_bytes() for n in os.listdir(ckpt) if n != MANIFEST}
+    manifest_before = manifest_content(ckpt / MANIFEST)
     assert hdist.save(_state(), ckpt).plan_cache == "hit"
-    assert {n: (ckpt / n).read_bytes() for n in os.listdir(ckpt)} == before
+    assert {n: (ckpt / n).read_bytes() for n in os.listdir(ckpt) if n != MANIFEST} == before
+    assert manifest_content(ckpt / MANIFEST) == manifest_before
     changed = _state()
     changed["model"]["w"] = torch.randn(6, 3)
     assert hdist.save(changed, ckpt).plan_cache == "miss"  # a new shape is a new plan

@@ -29,7 +29,8 @@ from hpckpt.core.errors import ERROR_CLASSES
 HERE = Path(__file__).parent
 DOCUMENTED = {0} | {cls.exit_code for cls in ERROR_CLASSES}
 DRIVER_SECONDS = 75  # measured ~45 s on 2 busy cores
-WRITTEN = {"dst", "dst.safetensors", "dst.values.json", "dst.pt"}
+WRITTEN = {"dst", "dst.safetensors", "dst.values.json", "dst.pt", "dst.safetensors.hpckpt-manifest.jsonl",
+           "dst.pt.hpckpt-manifest.jsonl"}
 CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")
 
 

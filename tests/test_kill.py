@@ -30,7 +30,7 @@ import pytest
 from typer.testing import CliRunner
 
 import kill_harness as kh
-from _util import write_row_sharded
+from _util import file_tree, normalized_tree, write_row_sharded
 from hpckpt import api
 from hpckpt.cli.app import app
 from hpckpt.core.leftovers import leftover
@@ -68,14 +68,9 @@ def argv(name: str, dst: Path, *extra: str, src: Path = SRC) -> list[str]:
 
 
 def tree(root: Path) -> dict[str, bytes | None]:
-    """Every name under `root` (hidden ones too): a file's bytes, None for a directory."""
-    out: dict[str, bytes | None] = {}
-    for folder, dirs, files in os.walk(root):
-        for d in dirs:
-            out[os.path.relpath(os.path.join(folder, d), root)] = None
-        for f in files:
-            out[os.path.relpath(os.path.join(folder, f), root)] = Path(folder, f).read_bytes()
-    return out
+    """Every name under `root` (hidden ones too): a file's bytes, None for a directory; a
+    manifest without the fields naming its run (`normalized_tree`)."""
+    return normalized_tree(file_tree(root))
 
 
 def verifies(path: Path) -> bool:

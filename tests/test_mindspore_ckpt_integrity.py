@@ -371,7 +371,8 @@ def test_mindspore_safetensors_crc_num_is_checked_by_every_read(tmp_path):
         result = runner.invoke(app, argv)
         assert result.exit_code == 9, (argv, result.stderr, result.stdout)
         assert "crc_num" in result.stderr + result.stdout
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.safetensors", "good.safetensors", "ok.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.safetensors", "good.safetensors", "ok.pt",
+                                                          "ok.pt.hpckpt-manifest.jsonl"]
 
 
 def test_mindspore_int4_in_safetensors_is_refused_not_read_as_int8(tmp_path):

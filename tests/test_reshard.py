@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _util import as_json_value, FIXTURE_NAMES, FIXTURES, assert_bit_equal, expected_tensors, expected_values, torch_bytes
+from _util import (FIXTURE_NAMES, FIXTURES, MANIFEST, RUN_FIELDS, as_json_value, assert_bit_equal, expected_tensors, expected_values,
+                   manifest_content, torch_bytes, tree_without_manifest)
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
@@ -199,7 +200,7 @@ def check_resharded(out: Path, source: Path, spec: LayoutSpec) -> None:
 
     # 5. nothing else: metadata, hpckpt's record, rank files, the values file; no leftovers next to it
     others = sorted(p.name for p in out.iterdir() if not p.name.endswith(".safetensors"))
-    assert others == [".hpckpt.json", ".metadata"] + (["_rank0_.bytes"] if values else [])
+    assert others == [".hpckpt-manifest.jsonl", ".metadata"] + (["_rank0_.bytes"] if values else [])
     assert not [p for p in out.parent.iterdir() if ".hpckpt-tmp-" in p.name]
 
 
@@ -249,7 +250,9 @@ def test_round_trip_is_byte_identical(name, via, tmp_path):
     direct, back = tree(tmp_path / "direct"), tree(tmp_path / "back")
     assert sorted(direct) == sorted(back)
     assert ".metadata" in back
-    assert [n for n in direct if direct[n] != back[n]] == []
+    assert [n for n in direct if direct[n] != back[n] and n != MANIFEST] == []
+    drop = (*RUN_FIELDS, "source")  # made from other sources; the same files, digests and listing
+    assert manifest_content(tmp_path / "direct" / MANIFEST, drop) == manifest_content(tmp_path / "back" / MANIFEST, drop)
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,7 +276,11 @@ def test_fan_out_then_finalize_equals_one_shot(name, tmp_path):
     assert report["finalized"] is True
     one, fanned = tree(tmp_path / "one"), tree(fan)
     assert sorted(one) == sorted(fanned)
-    assert [n for n in one if one[n] != fanned[n]] == []
+    assert [n for n in one if one[n] != fanned[n] and n != MANIFEST] == []
+    # the same digests of the same files; a fan-out's manifest has no listing (no job reads them all)
+    drop = (*RUN_FIELDS, "index")
+    assert manifest_content(fan / MANIFEST, drop) == manifest_content(tmp_path / "one" / MANIFEST, drop)
+    assert "index" not in manifest_content(fan / MANIFEST)[0]
     with pytest.raises(DestinationExistsError):  # a finished checkpoint takes no more shares
         api.reshard(fixture, fan, spec, ranks=[0])
     assert tree(fan) == fanned
@@ -325,7 +332,9 @@ def test_fan_out_with_the_console_script(tmp_path):
         assert proc.returncode == 0, (args, proc.stderr)
     assert "Finalized" in proc.stdout
     api.reshard(fixture, tmp_path / "one", LayoutSpec.for_world_size(4))
-    assert tree(out) == tree(tmp_path / "one")
+    assert tree_without_manifest(tree(out)) == tree_without_manifest(tree(tmp_path / "one"))
+    drop = (*RUN_FIELDS, "index")
+    assert manifest_content(out / MANIFEST, drop) == manifest_content(tmp_path / "one" / MANIFEST, drop)
 
 
 # --------------------------------------------------------------------------------------------

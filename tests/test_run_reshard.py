@@ -1,7 +1,7 @@
 """`hpckpt run ... reshard` (`hpckpt.dist.jobs.reshard_job`): the offline reshard spread over workers.
 
 The proof: real torchrun jobs of 2 and 4 workers write outputs whose every file (names and
-sha256, metadata and `.hpckpt.json` included) equals the one-process `hpckpt reshard` output of
+sha256, metadata and manifest included) equals the one-process `hpckpt reshard` output of
 the same target options. One launch per worker count runs many cases (a launch costs ~10 s):
 several targets, more workers than target ranks, an existing destination (refused on every
 worker, left alone), `--force`, and a real failure on a non-coordinator worker (its share does
@@ -24,7 +24,7 @@ import pytest
 
 from hpckpt.dist.jobs import reshard_job
 from hpckpt.dist.jobs.reshard_job import assign_shares, first_failure, raised
-from tests._util import REPO, run_torchrun
+from tests._util import MANIFEST, REPO, RUN_FIELDS, manifest_content, run_torchrun
 
 DRIVER = REPO / "tests" / "dist_scripts" / "reshard_driver.py"
 HPCKPT = Path(sys.executable).with_name("hpckpt")
@@ -61,11 +61,17 @@ def source(tmp_path_factory) -> Path:
 
 
 def digests(directory: Path) -> dict[str, str]:
-    """Every file's sha256 by name (hidden ones included); a subdirectory fails the comparison."""
+    """Every file's sha256 by name (hidden ones included); a subdirectory fails the comparison.
+    The manifest counts by its content without the run's own fields (command line, time) and
+    the listing (a fan-out's finalize reads no data file and has none)."""
     out = {}
     for entry in sorted(os.listdir(directory)):
         path = directory / entry
-        out[entry] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "<directory>"
+        if entry == MANIFEST:
+            content = manifest_content(path, (*RUN_FIELDS, "index"))
+            out[entry] = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+        else:
+            out[entry] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "<directory>"
     return out
 
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import kill_harness as kh
+from _util import normalized_tree
 from hpckpt import api
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,7 +35,8 @@ def _wait_for(path: Path, child: kh.Child, timeout: float = 10.0) -> None:
 
 
 def _tree(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    """Every file's bytes; a manifest without its run's command line and source path."""
+    return normalized_tree({str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()})
 
 
 def _checkpoints(tmp_path: Path) -> tuple[Path, Path]:

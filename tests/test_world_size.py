@@ -1,4 +1,6 @@
-"""`inspect` reports the true world size: hpckpt's writers record it in `.hpckpt.json`.
+"""`inspect` reports the true world size: hpckpt's writers record it in the manifest's header.
+
+(Checkpoints written before the manifest have `.hpckpt.json` instead, still read: `LEGACY`.)
 
 A 64-rank reshard of `examples/tiny-hp` leaves most ranks without a file; the record says 64 in
 `inspect` (text and JSON), for HyperParallel and PyTorch DCP outputs and for a fan-out run. A
@@ -22,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _util import FIXTURES, REPO
+from _util import FIXTURES, REPO, RUN_FIELDS, manifest_content
 from hp_reference import hp_modules
 from safetensors import safe_open
 from typer.testing import CliRunner
@@ -30,9 +32,11 @@ from typer.testing import CliRunner
 from hpckpt import api
 from hpckpt.cli.app import app
 from hpckpt.converters import hpckpt_json, open_index
+from hpckpt.core import manifest
 
 TINY = REPO / "examples" / "tiny-hp"
-RECORD = hpckpt_json.NAME
+RECORD = manifest.NAME
+LEGACY = hpckpt_json.NAME
 
 
 def run(*args: str) -> str:
@@ -80,25 +84,26 @@ def test_a_64_rank_reshard_says_64_though_most_ranks_hold_no_file(hp64):
     assert not any(RECORD in note for note in doc["notes"])
 
 
+def _header(path: Path) -> dict:
+    return json.loads((path / RECORD).read_text().splitlines()[0])
+
+
 def test_the_record_holds_the_world_size_mesh_placements_and_metadata_it_was_written_with(hp64):
-    record = json.loads((hp64 / RECORD).read_text())
-    assert record["hpckpt"] == 1 and record["written_by"].startswith("hpckpt ")
+    import xxhash
+
+    record = _header(hp64)
+    assert record["hpckpt_manifest"] == 1 and record["written_by"].startswith("hpckpt ")
     assert (record["format"], record["world_size"], record["mesh"], record["placements"]) == ("hyperparallel", 64, [64], "S0")
-    assert record["metadata"] == {".metadata": {"bytes": (hp64 / ".metadata").stat().st_size,
-                                                "sha256": record["metadata"][".metadata"]["sha256"]}}
-    assert len((hp64 / RECORD).read_bytes()) < 1024
-
-
-def test_the_record_is_written_before_the_metadata(hp64):
-    """`.metadata` stays the last file written, the one whose presence marks a complete save."""
-    assert (hp64 / RECORD).stat().st_mtime_ns <= (hp64 / ".metadata").stat().st_mtime_ns
+    data = (hp64 / ".metadata").read_bytes()
+    assert record["metadata"] == {".metadata": {"bytes": len(data), "digest": xxhash.xxh3_128_hexdigest(data)}}
+    assert isinstance(record["command"], str) and record["source"]["path"] == str(TINY)
 
 
 def test_torch_dcp_output_says_64(dcp64):
     assert not (dcp64 / "__63_0.distcp").exists()
     doc = inspect_json(dcp64)
     assert (doc["format"], doc["world_size"], doc["world_size_exact"]) == ("torch-dcp", 64, True)
-    assert json.loads((dcp64 / RECORD).read_text())["format"] == "torch-dcp"
+    assert _header(dcp64)["format"] == "torch-dcp"
 
 
 def test_a_fan_out_run_gets_the_same_record_as_a_one_shot_run(hp64, tmp_path):
@@ -107,7 +112,8 @@ def test_a_fan_out_run_gets_the_same_record_as_a_one_shot_run(hp64, tmp_path):
         run("reshard", str(TINY), "-o", str(out), "--world-size", "64", "--rank", share, "--no-fsync")
     assert not (out / RECORD).exists()  # written by finalize, with the metadata
     run("reshard", "--finalize", str(out))
-    assert (out / RECORD).read_bytes() == (hp64 / RECORD).read_bytes()
+    drop = (*RUN_FIELDS, "index")  # the finalize reads no data file: the manifest has no listing
+    assert manifest_content(out / RECORD, drop) == manifest_content(hp64 / RECORD, drop)
     assert inspect_json(out)["world_size"] == 64
 
 
@@ -116,7 +122,7 @@ def test_a_mesh_with_rules_records_no_placements(tmp_path):
     rules.write_text('mesh = "2x2"\ndefault = "R,S0"\n[[rule]]\nmatch = "*embed*"\nplacements = "S0,S1"\n')
     out = tmp_path / "out"
     run("reshard", str(TINY), "-o", str(out), "--layout-rules", str(rules), "--no-fsync")
-    record = json.loads((out / RECORD).read_text())
+    record = _header(out)
     assert (record["world_size"], record["mesh"], "placements" in record) == (4, [2, 2], False)
 
 
@@ -146,10 +152,12 @@ def test_a_checkpoint_saved_by_torch_dcp_says_at_least(tmp_path):
 # --- a record that does not describe its checkpoint: a warning, never a crash ----------------
 
 
-def _edit(path: Path, **changes) -> None:
-    record = json.loads((path / RECORD).read_text())
+def _edit(path: Path, name: str = RECORD, **changes) -> None:
+    """Change fields of the record (a manifest's header line; the other lines stay)."""
+    first, *rest = (path / name).read_text().splitlines(keepends=True)
+    record = json.loads(first)
     record.update(changes)
-    (path / RECORD).write_text(json.dumps(record))
+    (path / name).write_text(json.dumps(record) + "\n" + "".join(rest))
 
 
 def tampered(kind: str, out: Path) -> None:
@@ -157,15 +165,15 @@ def tampered(kind: str, out: Path) -> None:
     if kind == "smaller-than-a-file-name":
         _edit(out, world_size=5)  # _rank10_ exists
     elif kind == "not-json":
-        target.write_bytes(b'{"hpckpt": 1, "world_size": 64,')
+        target.write_bytes(b'{"hpckpt_manifest": 1, "world_size": 64,')
     elif kind == "not-a-record":
         target.write_text('[64]')
     elif kind == "world-size-not-a-number":
         _edit(out, world_size="64")
     elif kind == "world-size-implausible":  # layout inference would split tensors into that many parts
         _edit(out, world_size=10**12)
-    elif kind == "huge":
-        target.write_bytes(b'{"hpckpt": 1, "world_size": 64, "pad": "' + b"x" * (hpckpt_json.MAX_BYTES + 1) + b'"}')
+    elif kind == "huge":  # a header over the metadata limit (here 1 MiB)
+        target.write_bytes(b'{"hpckpt_manifest": 1, "world_size": 64, "pad": "' + b"x" * (1 << 20) + b'"}\n')
     elif kind == "a-directory":
         target.unlink()
         target.mkdir()
@@ -175,7 +183,7 @@ def tampered(kind: str, out: Path) -> None:
     elif kind == "other-format":
         _edit(out, format="torch-dcp")
     elif kind == "left-from-another-save":  # the directory saved into again: another .metadata
-        _edit(out, metadata={".metadata": {"bytes": 12, "sha256": "0" * 64}})
+        _edit(out, metadata={".metadata": {"bytes": 12, "digest": "0" * 32}})
     else:
         raise AssertionError(kind)
 
@@ -185,7 +193,8 @@ TAMPERED = ["smaller-than-a-file-name", "not-json", "not-a-record", "world-size-
 
 
 @pytest.mark.parametrize("kind", TAMPERED)
-def test_a_bad_record_is_a_warning_and_the_world_size_is_inferred(hp64, tmp_path, kind):
+def test_a_bad_record_is_a_warning_and_the_world_size_is_inferred(hp64, tmp_path, kind, monkeypatch):
+    monkeypatch.setenv("HPCKPT_MAX_METADATA_BYTES", str(1 << 20))
     out = copy(hp64, tmp_path / "out")
     tampered(kind, out)
     doc = inspect_json(out)
@@ -209,11 +218,11 @@ def test_a_stale_record_copied_from_another_output_is_ignored(hp64, tmp_path):
 
 def test_verify_finds_a_metadata_file_of_the_same_size_but_other_bytes(hp64, tmp_path):
     out = copy(hp64, tmp_path / "out")
-    record = json.loads((out / RECORD).read_text())
-    record["metadata"][".metadata"]["sha256"] = "0" * 64
-    (out / RECORD).write_text(json.dumps(record))
+    record = _header(out)
+    record["metadata"][".metadata"]["digest"] = "0" * 32
+    _edit(out, metadata=record["metadata"])
     findings = api.verify(out)["findings"]
-    assert [(f["severity"], "sha256" in f["message"]) for f in findings] == [("warning", True)]
+    assert [(f["severity"], "digest" in f["message"]) for f in findings] == [("warning", True)]
 
 
 def test_a_writing_command_from_a_source_with_a_bad_record_still_works(hp64, tmp_path):
@@ -298,8 +307,9 @@ def test_the_record_does_not_change_what_hpckpt_reads(hp64, tmp_path):
 
 
 def test_the_index_cache_keeps_the_record_s_world_size_and_rereads_a_changed_record(tmp_path):
-    """Large HyperParallel indexes are cached (converters.index_cache): the record is part of the
-    cache's identity, so a cached index has its world size and a changed record is read again."""
+    """Large HyperParallel indexes are cached (converters.index_cache): the record (here a legacy
+    `.hpckpt.json`: a manifest would give the listing itself) is part of the cache's identity, so a
+    cached index has its world size and a changed record is read again."""
     from hpckpt.converters.hyperparallel.from_memory import ChunkData, write_checkpoint
     from hpckpt.converters.index_cache import MIN_METADATA_BYTES, cache_dir
     from hpckpt.core import dtypes
@@ -310,17 +320,19 @@ def test_the_index_cache_keeps_the_record_s_world_size_and_rereads_a_changed_rec
     write_checkpoint(out, {"w": (dtypes.dtype("float32"), (n,), [ChunkData(i % 2, Box((i,), (1,)), bytes(4))
                                                                   for i in range(n)])})
     assert (out / ".metadata").stat().st_size >= MIN_METADATA_BYTES
-    _edit(out, world_size=8)  # the same .metadata: still its record
+    (out / RECORD).unlink()
+    name, data = hpckpt_json.record("hyperparallel", 8, [(".metadata", (out / ".metadata").read_bytes())])
+    (out / name).write_bytes(data)
     for _ in range(2):  # parsed and cached, then from the cache
         report = api.inspect(out, decode_values=False)
         assert (report["world_size"], report["world_size_exact"], report["notes"]) == (8, True, [])
     cached = set(cache_dir().glob("*.idx"))
     assert cached
-    tampered("not-json", out)
+    (out / LEGACY).write_text('{"hpckpt": 1, "world_size": 8,')
     for _ in range(2):
         report = api.inspect(out, decode_values=False)
         assert (report["world_size"], report["world_size_exact"]) == (2, False)
-        assert [note for note in report["notes"] if RECORD in note], report["notes"]
+        assert [note for note in report["notes"] if LEGACY in note], report["notes"]
     assert set(cache_dir().glob("*.idx")) > cached  # another identity, another snapshot
 
 
@@ -329,9 +341,7 @@ def test_a_forged_world_size_far_above_the_ranks_with_files_is_not_followed(tmp_
     million ranks (gigabytes of plan): it is ignored, with a note, and the output has 2 ranks."""
     src = tmp_path / "src"
     shutil.copytree(TINY, src)
-    doc = json.loads((src / RECORD).read_text())
-    doc["world_size"] = 10**6
-    (src / RECORD).write_text(json.dumps(doc))
+    _edit(src, world_size=10**6)
     index = open_index(src)
     assert (index.world_size, index.world_size_exact) == (2, False)
     assert any("not trusted" in w for w in index.warnings)

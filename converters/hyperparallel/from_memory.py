@@ -15,12 +15,14 @@ from typing import Any
 import numpy as np
 
 from hpckpt.converters.base import WriterOptions
+from hpckpt.converters import index_cache
+from hpckpt.converters.hyperparallel.reader import HyperParallelReader
 from hpckpt.converters.hyperparallel.writer import HyperParallelWriter
 from hpckpt.core.box import Box
 from hpckpt.core.dtypes import DType
 from hpckpt.core.memory_source import MemoryTensor, memory_index
 from hpckpt.core.plan import PlannedValue, plan_as_given
-from hpckpt.core.write import WriteSettings, write_plan
+from hpckpt.core.write import ManifestFields, WriteSettings, write_plan
 
 
 @dataclass(frozen=True)
@@ -50,4 +52,6 @@ def write_checkpoint(root: Path, tensors: dict[str, tuple[DType, tuple[int, ...]
                          values=[PlannedValue(fqn, rank) for fqn, (rank, _value) in values.items()],
                          nesting={fqn: (fqn,) for fqn in [*tensors, *values]})
     writer = HyperParallelWriter(WriterOptions(framework=framework))
-    write_plan(plan, source, writer, Path(root), WriteSettings(sync=False, force=True))
+    write_plan(plan, source, writer, Path(root), WriteSettings(sync=False, force=True),
+               read_back=HyperParallelReader().read_index,
+               fields=ManifestFields("hyperparallel", describe=index_cache.snapshot))

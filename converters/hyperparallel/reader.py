@@ -15,7 +15,7 @@ import numpy as np
 from hpckpt.converters import hpckpt_json, index_cache
 from hpckpt.converters.data_files import DataFileLocator
 from hpckpt.converters.torch_dcp.metadata_files import cross_check, index_entries
-from hpckpt.core import dtypes, input_files
+from hpckpt.core import dtypes, input_files, manifest
 from hpckpt.core.paths import resolve_inside
 from hpckpt.core.box import Box
 from hpckpt.core.errors import CorruptMetadataError, UnknownFormatError, UnsafePathError
@@ -104,8 +104,10 @@ class HyperParallelReader:
     def read_index(self, path: Path, *, use_cache: bool = False) -> CheckpointIndex:
         names = metadata_files(path)
         index = None
-        if use_cache:  # the record is part of the cache's identity: a changed one is read again
-            identity = names + ([hpckpt_json.NAME] if os.path.lexists(path / hpckpt_json.NAME) else [])
+        if use_cache:  # a manifest's listing first: it lives in the checkpoint and is checked against it
+            index = index_cache.from_manifest(path, names, DataFileLocator(path), lambda: self._parse(path, names))
+        if use_cache and index is None:  # the record is part of the cache's identity: a changed one is read again
+            identity = names + [n for n in (manifest.NAME, hpckpt_json.NAME) if os.path.lexists(path / n)]
             index = index_cache.load(path, identity, DataFileLocator(path), lambda: self._parse(path, names))
         if index is not None:
             hpckpt_json.apply(index)  # the snapshot has the world size, not the record's warnings

@@ -3,8 +3,8 @@
 Per storing rank one `_rank{r}_.safetensors` (keys `fqn`, or `fqn.__dcp_chunk_{i}` when the file
 holds several chunks of one tensor), values pickled (protocol 4) into `_rank{r}_.bytes`, and
 `.metadata` last: chunks listed rank-major with `MetadataIndex.index` = position, dtypes spelled
-as torch or MindSpore writes them (`--framework`, default the source's); `.hpckpt.json` (the world
-size and layout written, which file names cannot tell: `converters.hpckpt_json`) just before.
+as torch or MindSpore writes them (`--framework`, default the source's). The world size and
+layout written, which file names cannot tell, are in the manifest `core.write` adds.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-from hpckpt.converters import hpckpt_json
 from hpckpt.converters.base import WriterOptions
 from hpckpt.core.dtypes import DType
 from hpckpt.core.metadata import (
@@ -128,11 +127,9 @@ class HyperParallelWriter:
         return sorted(tensors + [values_file(r) for r in {v.rank for v in plan.values} if r in plan.producing])
 
     def finish(self, crcs: Mapping[str, int]) -> Finished:
-        """`.hpckpt.json` (the world size and layout written), then `.metadata`, written last."""
+        """`.metadata` (the world size and layout written go into the manifest, `core.write`)."""
         assert self._plan is not None, "layout() first"
-        metadata = ((METADATA_NAME, dumps_metadata(self.metadata())),)
-        record = hpckpt_json.record("hyperparallel", self._plan.world_size, metadata, self._mesh, self._placements)
-        return Finished(metadata=(record, *metadata))
+        return Finished(metadata=((METADATA_NAME, dumps_metadata(self.metadata())),))
 
     def metadata(self) -> Metadata:
         """The `.metadata` of the whole plan (every rank, also when only some are written)."""

@@ -5,7 +5,7 @@ or a non-tensor value), each what `torch.save(obj)` writes; values go into rank 
 PyTorch's coordinator writes them. The plan's replicas are stored once, as HyperParallel and
 PyTorch's de-dup do. Every archive's position follows from the plan, so `.metadata` (which gives
 each item's byte range) is known for every rank, also in a fan-out run that writes only some.
-`.hpckpt.json` (the world size and layout written: `converters.hpckpt_json`) comes just before it.
+The world size and layout written are in the manifest `core.write` adds.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hpckpt.converters import hpckpt_json
 from hpckpt.converters.base import WriterOptions
 from hpckpt.converters.torch_dcp.metadata_pickle import StoredItem, dumps_torch_metadata
 from hpckpt.core.pickle_builder import loadable_values
@@ -91,5 +90,4 @@ class TorchDcpWriter:
         stored = {t.fqn for t in plan.tensors} | set(self._values)  # values it could not hold are not listed
         nesting = {k: v for k, v in plan.nesting.items() if k in stored}
         metadata = ((METADATA_NAME, dumps_torch_metadata(tensors, self._values, self._items, nesting or None)),)
-        record = hpckpt_json.record("torch-dcp", plan.world_size, metadata, self._mesh, self._placements)
-        return Finished(tuple(patches), (record, *metadata))  # `.metadata` last
+        return Finished(tuple(patches), metadata)  # the world size and layout go into the manifest
