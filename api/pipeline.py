@@ -61,20 +61,21 @@ def make_target_plan(source: CheckpointIndex, target: Target, names: Iterable[st
 
 
 def _layout_record(target: Target) -> dict:
-    """The target mesh and, when one placement list applies to every tensor, its text: what a
-    writer may record beside the checkpoint (`converters.hpckpt_json`)."""
+    """The target mesh and, when one placement list applies to every tensor, its text: what the
+    manifest records of the layout (`core.manifest`)."""
     spec = target.layout
     if spec is None or target.format.whole_tensors:
         return {}
-    uniform = not spec.rules and not spec.layouts
-    return {"mesh": tuple(spec.mesh.shape), "placements": ",".join(map(str, spec.default)) if uniform else ""}
+    out: dict = {"mesh": list(spec.mesh.shape)}
+    if not spec.rules and not spec.layouts:
+        out["placements"] = ",".join(map(str, spec.default))
+    return out
 
 
 def manifest_fields(src: str | Path, source: CheckpointIndex, target: Target) -> ManifestFields:
     """What the output's manifest records besides its digests: its format and layout, the
     source's identity, and the listing of the output (`converters.index_cache.snapshot`)."""
-    layout = {k: list(v) if isinstance(v, tuple) else v for k, v in _layout_record(target).items() if v}
-    return ManifestFields(target.format.name, layout,
+    return ManifestFields(target.format.name, _layout_record(target),
                           manifest.source_identity(Path(src), source.format, source.metadata_files),
                           index_cache.snapshot)
 
@@ -153,8 +154,7 @@ def write(command: str, src: str | Path, dst: str | Path, source: CheckpointInde
     writer = target.format.writer(WriterOptions(name=dst.name, framework=target.framework,
                                                 source_framework=source.framework,
                                                 max_shard_bytes=target.max_shard_bytes, crc=target.crc,
-                                                user_metadata=tuple(source.user_metadata.items()),
-                                                **_layout_record(target)))
+                                                user_metadata=tuple(source.user_metadata.items())))
     layouts = not target.format.whole_tensors
     if dry_run:  # nothing is read but the metadata
         written = read = 0

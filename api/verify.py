@@ -70,7 +70,7 @@ def checkpoint_path(path: str | Path) -> Path:
 
 
 def _record_findings(index: CheckpointIndex) -> list[Finding]:
-    """hpckpt's own `.hpckpt.json` is expected; one that does not describe the checkpoint is a
+    """hpckpt's own record (the manifest, or `.hpckpt.json`) is expected; one that does not describe the checkpoint is a
     warning (the loaders never read it; hpckpt then infers the world size from file names)."""
     ranks = [r for f in index.data_files + index.metadata_files if (r := rank_of(f)) is not None]
     inferred = max(ranks) + 1 if ranks else None

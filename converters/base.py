@@ -73,8 +73,6 @@ class WriterOptions:
     max_shard_bytes: int = 5 * 10**9
     crc: bool = False
     user_metadata: tuple[tuple[str, str], ...] = ()  # a safetensors source's own __metadata__ keys
-    mesh: tuple[int, ...] = ()  # the target layout's mesh shape, and its placements' text when one list
-    placements: str = ""  # applies to every tensor: what `.hpckpt.json` records (converters.hpckpt_json)
 
 
 class FormatWriter(Protocol):

@@ -154,6 +154,16 @@ def apply(index: CheckpointIndex) -> None:
     index.world_size, index.world_size_exact = doc["world_size"], True
 
 
+def _lines_problem(found: manifest.Manifest) -> str | None:
+    """What is wrong with the manifest's box lines (all read, one at a time), or None."""
+    try:
+        for _entry in found.file_digests():
+            pass
+    except HpckptError as exc:
+        return exc.message
+    return None
+
+
 def problems(index: CheckpointIndex, inferred: int | None) -> list[str]:
     """What `verify` reports about the record (none when absent or sound): everything `apply`
     checks, and the sha256 of each metadata file it names. `inferred` is the world size from
@@ -163,10 +173,12 @@ def problems(index: CheckpointIndex, inferred: int | None) -> list[str]:
         return []
     if name == manifest.NAME and index.format not in RECORDED:  # a manifest that records no world size
         try:
-            why = manifest.read(index.root / name).mismatch(index.root)
+            found = manifest.read(index.root / name)
         except HpckptError as exc:
             return [exc.message]
-        return [] if why is None else [f"{manifest.NAME}: {why}"]
+        why = found.mismatch(index.root)
+        problem = f"{manifest.NAME}: {why}" if why is not None else _lines_problem(found)
+        return [] if problem is None else [problem]
     doc, problem = _problem(index, inferred)
     if name == manifest.NAME:
         if problem is not None and "records no world size" in problem:
@@ -175,6 +187,7 @@ def problems(index: CheckpointIndex, inferred: int | None) -> list[str]:
             found = manifest.Manifest(index.root / manifest.NAME, doc)
             why = found.mismatch(index.root, [n for n in index.metadata_files if n != NAME])
             problem = None if why is None else f"{manifest.NAME}: {why}"
+            problem = problem or _lines_problem(found)
         return [] if problem is None else [problem]
     if problem is None:
         for name, info in doc["metadata"].items():

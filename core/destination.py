@@ -156,7 +156,7 @@ def _is_manifest(path: Path) -> bool:
 def _unaccounted(path: Path, names: list[str]) -> str | None:
     """Why the checkpoint directory `path` may not be replaced whole, or None: its metadata cannot
     be read, or it holds entries (`names`, its top level) that are neither the files its
-    metadata refers to nor hpckpt's own (`.hpckpt.json`, locks, staging names, sidecars)."""
+    metadata refers to nor hpckpt's own (the manifest, `.hpckpt.json`, locks, staging names, sidecars)."""
     from hpckpt.converters import open_index  # converters import this module
 
     try:

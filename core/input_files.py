@@ -144,7 +144,8 @@ def read_small(path: Path, what: str, limit: int, error: type[HpckptError] | Non
         # +31 MiB at 1,024 ranks), then whatever it grew by meanwhile, up to the limit.
         raw = io.FileIO(fd, "rb", closefd=False)
         data = raw.read(size + 1)
-        while more := raw.read(limit + 1 - len(data)):  # short reads (over 2 GiB), or it grew
+        # short reads (over 2 GiB), or it grew; in pieces, so as not to reserve `limit` bytes for a small file
+        while more := raw.read(min(limit + 1 - len(data), 64 << 20)):
             data += more
             if len(data) > limit:
                 raise error(f"{path}: grew past the {limit}-byte limit of a {what} while being read")

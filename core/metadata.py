@@ -308,6 +308,11 @@ def _check_storage(storage: dict, storage_types: tuple[type, type], where: str) 
             raise CorruptMetadataError(f"{where}: storage_data has a key of type {kind[0].__name__} whose fqn is "
                                        f"a {kind[1].__name__} and index a {kind[2].__name__}")
     _check_types(storage.values(), (info_type,), "entries", where)
+    with schema_errors(f"{where}: storage_data entry"):  # every reader reads it: one missing is a schema error
+        _check_types(map(operator.attrgetter("relative_path"), storage.values()), (str,), "a relative_path", where)
+    if hasattr(info_type, "tensor_key"):  # HyperParallel's: a chunk's key in its file, looked up (hashed) later
+        _check_types(map(operator.attrgetter("tensor_key"), storage.values()), (str, type(None)),
+                     "a tensor_key", where)
 
 
 def _check_types(objects: Iterable, allowed: tuple, what: str, where: str) -> None:

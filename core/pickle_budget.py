@@ -142,6 +142,9 @@ def _children(obj: Any) -> Any:
         return [*obj.keys(), *obj.values()]
     if kind is slice:
         return (obj.start, obj.stop, obj.step)
+    if kind is memoryview:  # protocol 5's READONLY_BUFFER of a bytearray; no writer pickles one in-band
+        raise UnsafePickleError("refusing a memoryview (a READONLY_BUFFER opcode): a checkpoint's values are "
+                                "plain values, and a view cannot be saved again")
     if kind.__module__.startswith("numpy"):
         _check_numpy(obj)
         return None

@@ -124,7 +124,8 @@ def _parse_entries(header: SafetensorsHeader, doc: dict) -> list[TensorInfo]:
             header.problems.append(f"tensor {key!r}: entry needs dtype, shape and data_offsets [begin, end]")
             continue
         if type(begin) is not int or type(end) is not int or not _is_shape(shape):
-            header.problems.append(f"tensor {key!r}: shape and data_offsets must be non-negative integers")
+            header.problems.append(f"tensor {key!r}: shape and data_offsets must be non-negative integers "
+                                   "(dims below 2^63)")
             continue
         expected = _nbytes(dtype, shape)
         if end - begin != expected:
@@ -174,9 +175,14 @@ def header_shape(dtype: DType, shape: tuple[int, ...]) -> list[int]:
     return [*shape[:-1], shape[-1] * dtype.safetensors_pack]
 
 
+INT64_MAX = (1 << 63) - 1
+
+
 def _is_shape(shape: tuple) -> bool:
+    """Non-negative ints that fit int64 (a dim of 2^64 next to a 0 holds no bytes, but chunk
+    arrays are int64, and the safetensors library refuses dims beyond usize)."""
     for s in shape:
-        if type(s) is not int or s < 0:
+        if type(s) is not int or s < 0 or s > INT64_MAX:
             return False
     return True
 

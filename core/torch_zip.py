@@ -129,7 +129,9 @@ class _Archive:
     def read(self, name: str) -> bytes:
         try:
             return self.zf.read(self.info(name))
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as exc:
+            # (zipfile raises NotImplementedError and RuntimeError for flag bits it does not read:
+            # patched data, encryption; torch never sets them)
             raise CorruptDataError(f"{self.where}: cannot read member {self.prefix + name!r}: {exc}") from exc
 
     def data_offset(self, info: zipfile.ZipInfo) -> int:

@@ -233,7 +233,8 @@ MEMO_SCAN_BYTES = 256 * 1024  # scanned in pure Python: at most ~40 ms
 
 
 def _check_memo(file: BinaryIO, nbytes: int) -> None:
-    """Refuse a memo index no honest pickle of this size uses: the C unpickler grows its memo to
+    """Refuse a memo index no honest pickle of this size uses, and opcodes that do not parse (see
+    below), before the C unpickler runs. It grows its memo to
     twice the largest index it is told to store at (a 6-byte `LONG_BINPUT 10**8` asks for 1.6 GB).
     Honest indices count the objects stored, fewer than the pickle's bytes; allowed are up to
     8 x its bytes or 2^20 (a memo of at most 32 MiB). Pickles above MEMO_SCAN_BYTES (large
@@ -241,6 +242,7 @@ def _check_memo(file: BinaryIO, nbytes: int) -> None:
 
     Raises:
         UnsafePickleError: an index is larger than the pickle.
+        pickle.UnpicklingError: the opcodes do not parse (reported by the callers as corrupt).
     """
     if not isinstance(file, io.BytesIO) or not 0 < nbytes <= MEMO_SCAN_BYTES:
         return
@@ -253,8 +255,12 @@ def _check_memo(file: BinaryIO, nbytes: int) -> None:
             if opcode.name in ("PUT", "BINPUT", "LONG_BINPUT") and int(arg) > limit:
                 raise UnsafePickleError(f"refusing a memo index of {int(arg):,} in a pickle of {nbytes:,} bytes "
                                         "(it would make the unpickler allocate a memo that large)")
-    except (ValueError, EOFError, UnicodeDecodeError):
-        return  # malformed: the load itself says how
+    except (ValueError, EOFError, UnicodeDecodeError) as exc:
+        # Malformed, so the load would fail too; but not first: a BYTEARRAY8 declaring more bytes
+        # than remain makes the C unpickler allocate them, and when that fails CPython 3.11 frees
+        # the bytearray half made and prints "SystemError: deallocated bytearray object has
+        # exported buffers" on stderr (found by tests/test_fuzz_parsers.py's bench).
+        raise pickle.UnpicklingError(f"malformed pickle ({str(exc)[:160]})") from None
 
 
 @contextlib.contextmanager

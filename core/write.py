@@ -54,6 +54,7 @@ class ManifestFields:
     layout: dict = field(default_factory=dict)
     source: dict | None = None
     describe: Callable[[CheckpointIndex], dict] | None = None
+    command: str | None = None  # what made it, when not the running command line
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ def _write_staged(plan, layout, source, writer, dest, settings, file_output, rea
             doc = manifest.header(format_name=fields.format_name, world_size=plan.world_size,
                                   files=manifest.summaries(done.files),
                                   metadata=finished.metadata, source=fields.source, layout=fields.layout,
-                                  index=listing)
+                                  index=listing, command=fields.command)
             extra = ((name, manifest.encode(doc, done.files)),)
             staging.write_metadata(extra)
         staging.commit()

@@ -457,7 +457,7 @@ def _forget_rank_local(path: Path, rank: int, world_size: int) -> None:
     """Before a rank-local save writes: this rank's old `{rank}.metadata` goes first (a rank killed
     from here on leaves its part absent, never an old part beside new ones); the coordinator-free
     rank 0 also removes what only a save of another kind or a larger world left: `.metadata`,
-    `.hpckpt.json` and the files of ranks >= `world_size`."""
+    the manifest, `.hpckpt.json` and the files of ranks >= `world_size`."""
     (path / f"{rank}.metadata").unlink(missing_ok=True)
     if rank != 0:
         return

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _util import assert_manifest_matches
 
 pytestmark = pytest.mark.dist
 
@@ -51,8 +52,10 @@ def saved(tmp_path_factory) -> dict[str, Path]:
                      "--mesh", "2x2", "--placements", "S1,S0", "--async", "--json"))
     assert doc["world_size"] == 4 and all(r["blocked_seconds"] < r["seconds"] for r in doc["ranks"])
     for path in out.values():
-        verified = subprocess.run([HPCKPT, "verify", "--strict", str(path)], capture_output=True, text=True)
+        verified = subprocess.run([HPCKPT, "verify", "--strict", "--deep", str(path)], capture_output=True, text=True)
         assert verified.returncode == 0, verified.stdout + verified.stderr
+        assert "against the manifest's digests" in verified.stdout  # every rank's part joined in one manifest
+        assert_manifest_matches(path)
     return out
 
 

@@ -3,7 +3,7 @@ format hpckpt reads, cut at every byte position, gives one `error:` line, a docu
 (never 1, "internal error"), a run bounded in time and memory, and never a clean `verify`.
 
 The samples are written by the formats' own producers where there is one: the HyperParallel
-fixtures (HyperParallel's code) and `examples/tiny-hp` (with hpckpt's `.hpckpt.json` record);
+fixtures (HyperParallel's code) and `examples/tiny-hp` (with hpckpt's manifest);
 `torch.distributed.checkpoint.save`, `torch.save`, the `safetensors` library and
 transformers' index layout (in a `truncation_driver.py build-torch` subprocess);
 `mindspore.save_checkpoint` (in a `build-mindspore` subprocess; hand-assembled protobuf when
@@ -100,7 +100,7 @@ def build_samples(root: Path) -> dict[str, dict]:
 
     def hp_role(name: str) -> str:
         # `inspect` of a HyperParallel checkpoint reads its metadata alone, never a rank file
-        return METADATA if name in (".metadata", ".hpckpt.json") else DATA
+        return METADATA if name in (".metadata", ".hpckpt.json", ".hpckpt-manifest.jsonl") else DATA
 
     return {
         "hp-m0-mindspore-1rank": {"path": "hp-m0-mindspore-1rank", "files": roles(root / "hp-m0-mindspore-1rank",
@@ -109,8 +109,8 @@ def build_samples(root: Path) -> dict[str, dict]:
         # reads rank 0's copy; rank 1's must be checked all the same (its loader reads it). Its
         # other files are the layouts above again (one rank-local metadata file: 2 x 5,404 runs)
         "hp-rank-local": {"path": "hp-rank-local", "files": {"_rank1_.bytes": DATA}},
-        # hpckpt's own `.hpckpt.json` record (the rest of tiny-hp is the fixture's layout again)
-        "hp-tiny": {"path": "hp-tiny", "files": {".hpckpt.json": METADATA}},
+        # hpckpt's own manifest (the rest of tiny-hp is the fixture's layout again)
+        "hp-tiny": {"path": "hp-tiny", "files": {".hpckpt-manifest.jsonl": METADATA}},
         "torch-dcp": {"path": "dcp", "files": {".metadata": METADATA, "__0_0.distcp": DATA}},
         "safetensors+sidecar": {"path": "st/model.safetensors",
                                 "files": {"model.safetensors": SINGLE, "model.values.json": METADATA}},
@@ -333,13 +333,13 @@ def test_every_untouched_sample_verifies(sweep):
 def allowed_zero(spec: dict, raw: bytes, at: int, run: dict) -> str | None:
     """Why `verify` (or `inspect`) may exit 0 on this cut, or None: it may not."""
     path = Path(spec["file"])
-    if path.suffix == ".json" and raw[:at].strip() == raw.strip():
+    if path.suffix in (".json", ".jsonl") and raw[:at].strip() == raw.strip():
         # only the JSON document's trailing newline was cut: the same document, read the same
         return "trailing whitespace of a JSON document"
-    if path.name == ".hpckpt.json" and (run["command"] == "inspect" or any(".hpckpt.json" in w
-                                                                           for w in run["warnings"])):
-        # hpckpt's own record is advisory (no loader reads it): `verify` warns about a damaged one,
-        # `inspect` takes the world size from the file names instead
+    if path.name == ".hpckpt-manifest.jsonl" and (run["command"] == "inspect" or any(path.name in w
+                                                                                     for w in run["warnings"])):
+        # hpckpt's own manifest is advisory (no loader reads it): `verify` warns about a damaged one,
+        # `inspect` lists from the metadata and takes the world size from the file names instead
         return "advisory record"
     if path.suffix == ".ckpt" and at in protobuf_messages(raw):
         # a .ckpt is a bare sequence of Value messages with no count, length or end marker: cut

@@ -54,4 +54,5 @@ def write_checkpoint(root: Path, tensors: dict[str, tuple[DType, tuple[int, ...]
     writer = HyperParallelWriter(WriterOptions(framework=framework))
     write_plan(plan, source, writer, Path(root), WriteSettings(sync=False, force=True),
                read_back=HyperParallelReader().read_index,
-               fields=ManifestFields("hyperparallel", describe=index_cache.snapshot))
+               fields=ManifestFields("hyperparallel", describe=index_cache.snapshot,
+                                     command="hpckpt.converters.hyperparallel.from_memory.write_checkpoint"))

@@ -95,7 +95,6 @@ class HyperParallelWriter:
         self._given: dict[str, bytes] = dict(payloads or {})
         self._payloads: dict[str, bytes] = {}
         self._lengths: dict[str, int] = dict(value_lengths or {})
-        self._mesh, self._placements = options.mesh, options.placements
 
     def _spelling(self, dtype: DType) -> str:
         return (dtype.ms_spelling or dtype.torch) if self.mindspore else dtype.torch

@@ -35,7 +35,6 @@ class TorchDcpWriter:
         self._items: list[StoredItem] = []
         self._values: list[str] = []  # the values the archives hold, in plan order
         self._archives: dict[str, list[tuple[str, TorchArchive]]] = {}  # file -> (checksum id, archive)
-        self._mesh, self._placements = options.mesh, options.placements
 
     def _ranks(self, plan: Plan) -> list[int]:
         return sorted(set(plan.by_rank) | ({0} if plan.values else set()))

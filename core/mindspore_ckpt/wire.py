@@ -121,6 +121,9 @@ def _text(cur: _Cursor, n: int, limit: int, what: str, offset: int) -> str:
 
 
 def _int64(value: int) -> int:
+    """A varint read as int64, as protobuf does: its low 64 bits, two's complement (a 10-byte
+    varint can carry up to 70 bits; the rest are dropped)."""
+    value &= (1 << 64) - 1
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
