@@ -19,7 +19,21 @@ def ckpt(tmp_path, monkeypatch):
     monkeypatch.setenv("HPCKPT_CACHE_DIR", str(tmp_path / "cache"))
     root = tmp_path / "ckpt"
     shutil.copytree(REPO / "examples" / "tiny-hp", root)
+    (root / ".hpckpt-manifest.jsonl").unlink()  # a manifest's listing comes first (tested below)
     return root
+
+
+def test_a_checkpoint_with_a_manifest_is_listed_from_it_and_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setattr(index_cache, "MIN_METADATA_BYTES", 0)
+    monkeypatch.setenv("HPCKPT_CACHE_DIR", str(tmp_path / "cache"))
+    root = tmp_path / "ckpt"
+    shutil.copytree(REPO / "examples" / "tiny-hp", root)
+    listed = api.inspect(root)
+    assert _cache_files(tmp_path) == []
+    (root / ".hpckpt-manifest.jsonl").unlink()
+    without = api.inspect(root)
+    assert [t["fqn"] for t in listed["tensors"]] == [t["fqn"] for t in without["tensors"]]
+    assert listed["tensors"] == without["tensors"] and listed["values"] == without["values"]
 
 
 def _cache_files(tmp_path):
