@@ -149,7 +149,9 @@ def run_rank(spec: dict) -> None:
             report["load"] = _differences(target, want)
         except Exception as exc:  # noqa: BLE001 - reported to the test
             report["load"] = [f"load raised {_error(exc)}"]
-    Path(spec["report"]).write_text(json.dumps(report))
+    out = Path(spec["report"])  # written aside and renamed: a rank killed meanwhile leaves no half report
+    out.with_name(out.name + ".tmp").write_text(json.dumps(report))
+    os.replace(out.with_name(out.name + ".tmp"), out)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # no atexit, no gloo teardown waiting for a dead peer
