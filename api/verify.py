@@ -123,11 +123,10 @@ def _dense(loc: Location, chunk: Chunk) -> bool:
     return all(z <= 1 or s == e for z, s, e in zip(loc.stored_shape, loc.strides, reversed(expected)))
 
 
-def stored_boxes(index: CheckpointIndex, skip: set[str] = frozenset()) -> StoredBoxes:
-    """The boxes of every data file as its metadata lists them (chunks of files in `skip`, and
-    chunks that cannot be located, are left out: the structural checks report those)."""
-    out = StoredBoxes()
-    candidates: dict[str, list[tuple[int, int, StoredBox]]] = {}
+def _located_chunks(index: CheckpointIndex, skip: set[str]):
+    """`(entry, chunk, location)` of every stored chunk a deep check reads: of a dtype hpckpt
+    reads, not empty, inside its tensor, not in a file of `skip`, and locatable (the structural
+    checks report the others)."""
     for entry in index.tensors.values():
         if entry.dtype.refusal is not None:
             continue
@@ -138,14 +137,23 @@ def stored_boxes(index: CheckpointIndex, skip: set[str] = frozenset()) -> Stored
                 loc = index.locate(chunk, entry)
             except HpckptError:
                 continue
-            if isinstance(loc, BufferLocation):
-                continue
-            nbytes = chunk.box.volume * entry.dtype.itemsize
-            if not _dense(loc, chunk):
-                out.digest_only.setdefault(chunk.file, []).append((entry.fqn, "strided"))
-                continue
-            box = StoredBox(entry.fqn, tuple(chunk.box.offsets), tuple(chunk.box.sizes), ((loc.offset, nbytes),))
-            candidates.setdefault(chunk.file, []).append((loc.offset, nbytes, box))
+            yield entry, chunk, loc
+
+
+def stored_boxes(index: CheckpointIndex, skip: set[str] = frozenset()) -> StoredBoxes:
+    """The boxes of every data file as its metadata lists them (chunks of files in `skip`, and
+    chunks that cannot be located, are left out: the structural checks report those)."""
+    out = StoredBoxes()
+    candidates: dict[str, list[tuple[int, int, StoredBox]]] = {}
+    for entry, chunk, loc in _located_chunks(index, skip):
+        if isinstance(loc, BufferLocation):
+            continue
+        nbytes = chunk.box.volume * entry.dtype.itemsize
+        if not _dense(loc, chunk):
+            out.digest_only.setdefault(chunk.file, []).append((entry.fqn, "strided"))
+            continue
+        box = StoredBox(entry.fqn, tuple(chunk.box.offsets), tuple(chunk.box.sizes), ((loc.offset, nbytes),))
+        candidates.setdefault(chunk.file, []).append((loc.offset, nbytes, box))
     for name, runs in candidates.items():
         runs.sort(key=lambda r: (r[0], r[1]))
         distinct: list[tuple[int, int, StoredBox]] = []
@@ -385,19 +393,10 @@ def _chunk_reads(index: CheckpointIndex, skip: set[str]) -> list[tuple[TensorEnt
     """Every stored chunk to read: `(entry, chunk, location, counted, nbytes)`, located here (on
     one thread); `counted` is False for a second copy of a box (a replica is read, not counted)."""
     out = []
-    for entry in index.tensors.values():
-        if entry.dtype.refusal is not None:
-            continue
-        seen: set[Box] = set()
-        for chunk in entry.chunks:
-            if chunk.file in skip or chunk.box.is_empty or not chunk.box.inside(entry.shape):
-                continue
-            try:
-                loc = index.locate(chunk, entry)
-            except HpckptError:
-                continue  # the structural checks report it
-            out.append((entry, chunk, loc, chunk.box not in seen, chunk.box.volume * entry.dtype.itemsize))
-            seen.add(chunk.box)
+    seen: set[tuple[str, Box]] = set()
+    for entry, chunk, loc in _located_chunks(index, skip):
+        out.append((entry, chunk, loc, (entry.fqn, chunk.box) not in seen, chunk.box.volume * entry.dtype.itemsize))
+        seen.add((entry.fqn, chunk.box))
     return out
 
 

@@ -19,6 +19,7 @@ caller removes the staging directory only once nothing writes into it any more.
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import threading
@@ -470,8 +471,10 @@ def file_digests(f: FileLayout, boxes: list[tuple[Placement, str]], finished: Fi
     digests and the bytes around them (fixed bytes, then the writer's patches over them)."""
     extents = [(e.offset, e.nbytes) for p, _ in boxes for e in p.extents]
     writes = [*f.fixed, *((at, data) for name, at, data in finished.patches if name == f.name)]
+    starts = sorted((o, n) for o, n in extents if n)  # disjoint: a patch's neighbours tell (no scan per patch)
     for at, data in writes[len(f.fixed):]:
-        if any(at < o + n and o < at + len(data) for o, n in extents if n):
+        i = bisect.bisect_left(starts, (at + len(data),))
+        if i and starts[i - 1][0] + starts[i - 1][1] > at:
             raise AssertionError(f"{f.name}: a patch at {at} overwrites box bytes the digest was taken of")
     segments = digest.gap_digests(f.size, extents, writes)
     segments += digest.box_segments([(tuple((e.offset, e.nbytes) for e in p.extents), d) for p, d in boxes])
