@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -301,6 +302,29 @@ def test_a_failed_write_is_one_documented_error_and_leaves_nothing(which, point,
     assert lines[0].startswith("error: ") and "Traceback" not in stderr and len(lines) <= 2, stderr
     assert ("no space left" if code == 18 else os.strerror(err)) in lines[0], stderr
     assert os.listdir(out) == []
+
+
+def test_a_full_disk_in_a_mapped_copy_is_the_disk_error(tmp_path):
+    """A run of 4 MiB or more is written from a mapping of its source (`engine.MAP_MIN`): a write
+    failing there is still exit 18, not the mapping's BufferError when it is closed under the
+    failed write's traceback."""
+    from safetensors.numpy import save_file
+
+    from hpckpt.core import engine
+
+    src = tmp_path / "big.safetensors"
+    save_file({"w": np.arange(2048 * 1024, dtype=np.float32).reshape(2048, 1024)}, str(src))
+    assert src.stat().st_size > 2 * engine.MAP_MIN
+    out = tmp_path / "out-dir"
+    out.mkdir()
+    args = ["reshard", str(src), "-o", str(out / "ckpt"), "-w", "1", "--jobs", "1"]
+    code, stderr = run_logged(args, tmp_path, kh.Actions(fail_at=kh.Point(4, "pwrite"), fail_errno=errno.ENOSPC))
+    assert code == 18 and stderr.startswith("error: no space left on device writing "), stderr
+    assert "Traceback" not in stderr and "BufferError" not in stderr, stderr
+    assert os.listdir(out) == []
+    code, stderr = run_logged(args, tmp_path)  # and the same copy, not failed, is whole
+    assert code == 0, stderr
+    assert cli("diff", src, out / "ckpt").exit_code == 0
 
 
 # -- fan-out --------------------------------------------------------------------------------
