@@ -1,6 +1,7 @@
 """What the manifest costs a write: the same writes with and without hashing, side by side.
 
     python bench/bench_manifest_cost.py [--size 1GiB] [--rounds 3] [--out bench/out/manifest-cost]
+                                        [--cases fsynced,no-fsync,live]
 
 Three writes, each timed with the manifest (digests taken while writing, `WriteSettings.manifest`)
 and without, alternating round by round, best of `--rounds`:
@@ -12,6 +13,9 @@ and without, alternating round by round, best of `--rounds`:
    the disk);
 3. `hpckpt.dist.save` of an in-memory state dict in one process (no process group): the bytes
    go from the arrays by `pwrite` and are hashed from the same memory.
+
+Then the peak RSS of one page-cache-only reshard with and without the manifest, each in a fresh
+process (`VmHWM`): the mapped source pages the hash reads count in it.
 
 Also prints XXH3-128, SHA-256, BLAKE2b, CRC-32 (and BLAKE3 when installed) on one core, over one
 in-memory buffer, for the README's choice. The target is a manifest cost under 10 % of the write.
@@ -84,7 +88,7 @@ def _timed(fn, data) -> float:
     return time.perf_counter() - t
 
 
-def reshard_once(src: Path, dst: Path, manifest: bool, sync: bool) -> float:
+def reshard_once(src: Path, dst: Path, manifest: bool, sync: bool) -> tuple[float, float]:
     from hpckpt import api
     from hpckpt.core.layout import LayoutSpec
     from hpckpt.core.write import WriteSettings
@@ -101,8 +105,26 @@ def _cpu() -> float:
     return times.user + times.system
 
 
+def peak_rss(src: Path, dst: Path, manifest: bool) -> float:
+    """Peak RSS (MiB) of a fresh process that imports hpckpt and reshards `src` once, page cache
+    only. `VmHWM`, not `ru_maxrss`, which Linux carries over `execve` from the forked parent."""
+    code = f"""
+import shutil
+from pathlib import Path
+from hpckpt import api
+from hpckpt.core.layout import LayoutSpec
+from hpckpt.core.write import WriteSettings
+shutil.rmtree({str(dst)!r}, ignore_errors=True)
+api.reshard(Path({str(src)!r}), Path({str(dst)!r}), LayoutSpec.for_world_size(4),
+            settings=WriteSettings(sync=False, manifest={manifest}))
+print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(proc.stdout.strip().splitlines()[-1]) / 1024
+
+
 def dist_once(dst: Path, manifest: bool, size: int) -> tuple[float, float]:
-    """One in-memory save in a fresh process (its own timing of `save` only: wall, CPU)."""
+    """One in-memory save in a fresh process (its own timing of `save` only: wall, CPU as in `_cpu`)."""
     code = f"""
 import functools, os, shutil, sys, time
 import numpy as np, torch
@@ -127,6 +149,7 @@ def main() -> int:
     parser.add_argument("--size", default="1GiB")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "out" / "manifest-cost")
+    parser.add_argument("--cases", default="fsynced,no-fsync,live", help="which writes to time (comma-separated)")
     args = parser.parse_args()
     size = parse_size(args.size)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -136,12 +159,13 @@ def main() -> int:
     print("\n| digest, one core | GB/s |\n|---|---:|")
     for name, speed in digest_speeds():
         print(f"| {name} | {speed:.2f} |")
-    cases = {"reshard, fsynced": lambda m: reshard_once(src, args.out / "dst", m, True),
-             "reshard, --no-fsync": lambda m: reshard_once(src, args.out / "dst", m, False),
-             "hpckpt.dist.save, one process": lambda m: dist_once(args.out / "live", m, size)}
+    cases = {"fsynced": ("reshard, fsynced", lambda m: reshard_once(src, args.out / "dst", m, True)),
+             "no-fsync": ("reshard, --no-fsync", lambda m: reshard_once(src, args.out / "dst", m, False)),
+             "live": ("hpckpt.dist.save, one process", lambda m: dist_once(args.out / "live", m, size))}
     print("\n| write | without manifest (s) | with manifest (s) | cost | CPU without (s) | CPU with (s) | CPU cost |"
           "\n|---|---:|---:|---:|---:|---:|---:|")
-    for label, fn in cases.items():
+    for key in args.cases.split(","):
+        label, fn = cases[key]
         runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
         for r in range(args.rounds):
             for manifest in ((False, True) if r % 2 == 0 else (True, False)):
@@ -150,6 +174,9 @@ def main() -> int:
         cpu_off, cpu_on = (min(cpu for _, cpu in runs[m]) for m in (False, True))
         print(f"| {label} | {off:.3f} | {on:.3f} | {100 * (on - off) / off:+.1f} % | {cpu_off:.2f} | {cpu_on:.2f} "
               f"| {100 * (cpu_on - cpu_off) / off:+.1f} % of the time |", flush=True)
+    print("\n| reshard, --no-fsync, one process | peak RSS (MiB) |\n|---|---:|")
+    for manifest in (False, True):
+        print(f"| {'with' if manifest else 'without'} manifest | {peak_rss(src, args.out / 'dst', manifest):.0f} |")
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
     shutil.rmtree(args.out / "dst", ignore_errors=True)
     shutil.rmtree(args.out / "live", ignore_errors=True)

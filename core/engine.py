@@ -7,11 +7,10 @@ chunk holds as one contiguous byte run is copied without a tile buffer: by the k
 (`copy_file_range`), or, when hashing, from a mapping of the source a MiB at a time with
 `pwrite`, or straight from an array in memory. Any other is gathered from its pieces with ranged
 reads (or from memory, for in-memory sources) into one buffer, cast if asked, and written with
-one `pwrite`.
-Every box's digest for the manifest is taken from the bytes as they are written, from the buffer
-or mapping they are written from. CRC-32s a format needs are computed by reading each range back
-on a worker while the next box is copied. Files are filled in parallel, one per worker (I/O, numpy
-and zlib release the GIL).
+one `pwrite`. Every box's digest for the manifest is taken from the bytes as they are written,
+from the buffer or mapping they are written from. CRC-32s a format needs are computed by reading
+each range back on a worker while the next box is copied. Files are filled in parallel, one per
+worker (I/O, numpy and zlib release the GIL).
 
 When the main thread leaves `execute` early (an error of one file, Ctrl-C, SIGTERM), the files
 not started are cancelled and the workers stop at their next copied range (a stop flag), so the
@@ -51,7 +50,7 @@ DEFAULT_MAX_MEMORY = 64 * 1024 * 1024  # tiles this size already move at disk sp
 WRITEBACK_SPAN = 8 * 1024 * 1024  # writeback is started in aligned spans of this size (4-32 MiB measured alike)
 WRITE_PIECE, WRITE_ALIGN = 2 * 1024 * 1024, 64 * 1024  # how gathered bytes are handed to pwrite
 # hashed copies from a file are mapped: from MAP_MIN, MAP_SPAN at a time (the mapped pages count in
-# the RSS: a 2 GiB reshard peaked at 104 MiB with 64 MiB spans, 56 MiB with these, 40 MiB unhashed)
+# the RSS: a 2 GiB reshard peaks at 57 MiB with these, 41 MiB unhashed, 104 MiB with 64 MiB spans)
 MAP_MIN, MAP_SPAN = 4 * 1024 * 1024, 8 * 1024 * 1024
 COPY_PIECE = 1024 * 1024  # hashed copies go piece by piece, each written while a core still caches it
 Progress = Callable[[int], None]
@@ -90,8 +89,7 @@ def copy_range(src_fd: int, dst_fd: int, count: int, src_offset: int, dst_offset
     while done < count:
         chunk = os.pread(src_fd, min(count - done, 64 * 1024 * 1024), src_offset + done)
         if not chunk:
-            raise CorruptDataError(f"{source}: truncated: needed bytes [{src_offset}, {src_offset + count}) "
-                                   f"but the file ends at {src_offset + done}", hint="was it changed during the run?")
+            raise _truncated(source, src_offset, count, f"the file ends at {src_offset + done}")
         os.pwrite(dst_fd, chunk, dst_offset + done)
         done += len(chunk)
 
@@ -102,8 +100,8 @@ def _piece_length(at: int, left: int) -> int:
     return min(left, (at + COPY_PIECE) // WRITE_ALIGN * WRITE_ALIGN - at)
 
 
-def _truncated(path: Path, offset: int, count: int) -> CorruptDataError:
-    return CorruptDataError(f"{path}: truncated: needed bytes [{offset}, {offset + count}) but the file is shorter now",
+def _truncated(path: Path, offset: int, count: int, found: str = "the file is shorter now") -> CorruptDataError:
+    return CorruptDataError(f"{path}: truncated: needed bytes [{offset}, {offset + count}) but {found}",
                             hint="was it changed during the run?")
 
 
@@ -147,7 +145,7 @@ class _BoxFiller:
         self.stop = stop
         self.hashing = hashing
         self._buffer: np.ndarray | None = None
-        self._piece: memoryview | None = None  # the buffer of hashed copies (`_copy_hashed`)
+        self._piece: memoryview | None = None  # the buffer of small hashed copies (`_copy_buffered`)
         self._flushed = 0  # writeback has been started for the file's bytes before this offset
 
     def fill(self, placement: Placement, pieces: Pieces) -> str | None:
@@ -193,7 +191,7 @@ class _BoxFiller:
         while the hash has left it in this core's cache: one pass over the source serves both.
         Measured on a 2 GiB reshard held in the page cache, that is as fast as the unhashed kernel
         copy or faster (copying each piece by the kernel and hashing it from the mapping after
-        cost +12-20 %, hashing copied ranges on a companion thread +27-37 %). Smaller ranges cost
+        cost +8-19 %, hashing copied ranges on a companion thread +27-37 %). Smaller ranges cost
         less read into the piece buffer than mapped."""
         fd = self.files.fd(path)
         if self._hasher is None:
@@ -217,14 +215,10 @@ class _BoxFiller:
             # not a `with`: a failed write's traceback still holds a piece of the view, and
             # closing the mapping under it would raise BufferError in place of the write's error
             view = memoryview(mapped)
-            while done < base + span:
-                piece = view[done - base:done - base + _piece_length(done + at - offset, base + span - done)]
-                self._hasher.update(piece)
-                _pwrite_all(self.fd, piece, done + at - offset)
-                done += len(piece)
-                piece.release()
+            self._write(view[done - base:], done + at - offset)
             view.release()
             mapped.close()
+            done = base + span
 
     def _copy_buffered(self, fd: int, path: Path, start: int, end: int, shift: int) -> None:
         """Copy and hash source bytes `[start, end)` to output offset `start + shift` through the
@@ -275,8 +269,8 @@ class _BoxFiller:
 
     def _direct(self, entry, parts, tile: Box, itemsize: int, placement: Placement, start: int) -> bool:
         """Write a tile without a tile buffer when each of its pieces is one contiguous byte run
-        both in its source and in the tile (e.g. row shards of a whole tensor): a kernel copy from
-        a file (`_copy_from_file`), a `pwrite` straight from an array in memory; else do nothing."""
+        both in its source and in the tile (e.g. row shards of a whole tensor): a copy from a file
+        (`_copy_from_file`), a `pwrite` straight from an array in memory; else do nothing."""
         runs = []
         for chunk, region in parts:
             loc = self.index.locate(chunk, entry)

@@ -327,6 +327,41 @@ def test_a_full_disk_in_a_mapped_copy_is_the_disk_error(tmp_path):
     assert cli("diff", src, out / "ckpt").exit_code == 0
 
 
+@pytest.mark.parametrize("rows", [3072, 512], ids=["mapped-12MiB", "buffered-2MiB"])
+def test_a_source_truncated_during_the_copy_is_corrupt_data(rows, tmp_path):
+    """A source cut short after it was read (another process truncates it while the run waits
+    before its first data write) is found where the copy reads it, mapped (the size check before
+    mapping: no SIGBUS) or through the piece buffer: exit 9, one line, nothing left."""
+    import time
+
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "src.safetensors"
+    save_file({"w": np.arange(rows * 1024, dtype=np.float32).reshape(rows, 1024)}, str(src))
+    out = tmp_path / "out-dir"
+    out.mkdir()
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    err = tmp_path / "stderr.txt"
+    child = kh.start(["reshard", str(src), "-o", str(out / "ckpt"), "-w", "1", "--jobs", "1"],
+                     kh.Actions(pause_at=kh.Point(2, "pwrite"), folder=marks), stderr=err)
+    try:
+        deadline = time.monotonic() + 60
+        while not (marks / "paused").exists():
+            assert time.monotonic() < deadline, err.read_text()
+            time.sleep(0.01)
+        os.truncate(src, 4096)
+    finally:
+        (marks / "resume").touch()
+        code, _ = kh.finish(child)
+    stderr = err.read_text()
+    lines = stderr.splitlines()
+    assert code == 9, stderr
+    assert lines[0].startswith(f"error: {src}: truncated: needed bytes ") and "Traceback" not in stderr, stderr
+    assert "changed during the run" in stderr and len(lines) <= 2, stderr
+    assert os.listdir(out) == []
+
+
 # -- fan-out --------------------------------------------------------------------------------
 
 
