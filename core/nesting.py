@@ -50,3 +50,28 @@ def holds_tensor(value: Any, is_tensor: Callable[[Any], bool], *, tuples: bool =
     if isinstance(value, (list, tuple) if tuples else list):
         return any(holds_tensor(v, is_tensor, tuples=tuples) for v in value)
     return False
+
+
+def replace_leaves(tree: Any, kinds: Mapping[type, Callable[[Any], Any]], seen: dict[int, Any] | None = None) -> Any:
+    """`tree` with every leaf of a type in `kinds` replaced by `kinds[type](leaf)`: lists and
+    dicts updated in place, tuples, sets and frozensets rebuilt, shared and cyclic containers
+    visited once (an unpickled value may share one container a billion times over)."""
+    make = kinds.get(type(tree))
+    if make is not None:
+        return make(tree)
+    if not isinstance(tree, (dict, list, tuple, set, frozenset)):
+        return tree
+    seen = {} if seen is None else seen
+    if id(tree) in seen:
+        return seen[id(tree)]
+    seen[id(tree)] = tree
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            tree[key] = replace_leaves(value, kinds, seen)
+        return tree
+    if isinstance(tree, list):
+        tree[:] = [replace_leaves(v, kinds, seen) for v in tree]
+        return tree
+    rebuilt = type(tree)(replace_leaves(v, kinds, seen) for v in tree)
+    seen[id(tree)] = rebuilt
+    return rebuilt

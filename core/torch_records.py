@@ -14,7 +14,8 @@ from typing import Any
 from hpckpt.core.dtypes import DType
 from hpckpt.core.errors import CorruptDataError, UnsafePickleError
 from hpckpt.core.index import Location
-from hpckpt.core.pickle_budget import register_leaf
+from hpckpt.core.nesting import replace_leaves
+from hpckpt.core.pickle_budget import charge, register_leaf
 
 
 @dataclass(frozen=True)
@@ -113,27 +114,11 @@ class BytesIOState:
     def __setstate__(self, state: Any) -> None:
         if not (isinstance(state, tuple) and state and isinstance(state[0], (bytes, bytearray))):
             raise CorruptDataError(f"io.BytesIO state {type(state).__name__} does not start with its bytes")
+        if type(state[0]) is not bytes:  # copied (bytes are shared)
+            charge(len(state[0]), "io.BytesIO content")
         self.content = bytes(state[0])
 
 
-def without_bytes_io(tree: Any, seen: dict[int, Any] | None = None) -> Any:
-    """`tree` with every BytesIO stand-in replaced by its bytes (lists and dicts updated in place,
-    tuples and sets rebuilt; shared and cyclic containers visited once)."""
-    if isinstance(tree, BytesIOState):
-        return tree.content
-    if not isinstance(tree, (dict, list, tuple, set, frozenset)):
-        return tree
-    seen = {} if seen is None else seen
-    if id(tree) in seen:
-        return seen[id(tree)]
-    seen[id(tree)] = tree
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            tree[key] = without_bytes_io(value, seen)
-        return tree
-    if isinstance(tree, list):
-        tree[:] = [without_bytes_io(v, seen) for v in tree]
-        return tree
-    rebuilt = type(tree)(without_bytes_io(v, seen) for v in tree)
-    seen[id(tree)] = rebuilt
-    return rebuilt
+def without_bytes_io(tree: Any) -> Any:
+    """`tree` with every BytesIO stand-in replaced by its bytes."""
+    return replace_leaves(tree, {BytesIOState: lambda stand_in: stand_in.content})

@@ -70,6 +70,14 @@ class _FileWindow(io.RawIOBase):
         self._pos = base + offset
         return self._pos
 
+    def read(self, size: int | None = -1) -> bytes:
+        """At most what the window holds from here: a size a zip record declares (its central
+        directory's) is never allocated whole, as RawIOBase.read would before reading."""
+        left = max(0, self._length - self._pos)
+        data = self.pread(left if size is None or size < 0 else min(size, left), self._pos)
+        self._pos += len(data)
+        return data
+
     def readinto(self, buffer: Any) -> int:
         data = self.pread(len(buffer), self._pos)
         buffer[: len(data)] = data

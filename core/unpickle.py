@@ -7,8 +7,10 @@ before anything from the pickle has been called. torch is never imported: `torch
 tuple and torch dtypes become our `DType`.
 
 Allow-listed names can still be asked for too much (`range(10**12)`, a numpy array of 3e9
-elements, containers nested too deep or shared to explode): the budgets of `core.pickle_budget`
-are checked by the constructors here before they allocate, and on every value once it is loaded.
+elements, the same memoised string copied ten thousand times, containers nested too deep or
+shared to explode): every constructor here charges what it is about to allocate to the load's
+budget (`core.pickle_budget`), a pickle up to SCAN_BYTES is scanned for what its opcodes declare
+(memo indices, lengths) before the C unpickler runs, and every value is walked once it is loaded.
 """
 
 from __future__ import annotations
@@ -25,9 +27,13 @@ import pickle
 import threading
 from typing import Any, BinaryIO, Callable
 
+import numpy as np
+
 from hpckpt.core import dtypes
 from hpckpt.core.errors import CorruptMetadataError, HpckptError, UnsafePickleError
-from hpckpt.core.pickle_budget import check_value, current_budget, over_budget, register_leaf
+from hpckpt.core.nesting import replace_leaves
+from hpckpt.core.pickle_budget import (Allocations, allocations, charge, check_value, current_budget,
+                                       over_budget, register_leaf, run_charging)
 from hpckpt.core.metadata import HP_CLASSES
 from hpckpt.core.torch_dcp_metadata import TORCH_DCP_CLASSES
 from hpckpt.core.torch_records import TorchDevice
@@ -48,11 +54,18 @@ def check_encoding(encoding: Any, what: str) -> str:
     return encoding
 
 
+def _encoded_size(text: str, encoding: Any) -> int:
+    """At most what `text` takes encoded (utf-8: up to 4 bytes a character)."""
+    return len(text) * (1 if str(encoding).lower() in ("latin1", "latin-1", "ascii") else 4)
+
+
 def _encode(text: Any, encoding: str = "utf-8", errors: str = "strict") -> bytes:
     """`_codecs.encode`, as pickle uses it: a str, one of pickle's encodings."""
     if not isinstance(text, str) or not isinstance(errors, str):
         raise UnsafePickleError("refusing _codecs.encode of something other than a str")
-    return text.encode(check_encoding(encoding, "_codecs.encode"), errors)
+    check_encoding(encoding, "_codecs.encode")
+    charge(_encoded_size(text, encoding), "_codecs.encode")
+    return text.encode(encoding, errors)
 
 
 def _bytearray(*args: Any) -> bytearray:
@@ -61,7 +74,65 @@ def _bytearray(*args: Any) -> bytearray:
         raise UnsafePickleError("refusing bytearray() of a size: only bytearray(bytes) is allowed")
     if len(args) > 1:
         check_encoding(args[1], "bytearray()")
+    if args:
+        charge(_encoded_size(args[0], args[1] if len(args) > 1 else "utf-8") if isinstance(args[0], str)
+               else len(args[0]), "bytearray()")
     return bytearray(*args)
+
+
+#: What one element of a container costs (bytes, at most): its slot, and for sets and dicts the
+#: spare room of their hash tables.
+_SLOT, _SET_SLOT, _DICT_SLOT = 8, 64, 128
+_SIZED = frozenset((list, tuple, dict, set, frozenset, str, bytes, bytearray, collections.OrderedDict))
+
+
+def _elements(source: Any, what: str) -> tuple[int, int]:
+    """(elements, bytes each creates besides its slot) of a container's source, without iterating
+    it: a range makes an int a step, an array a numpy scalar or row view an element."""
+    if type(source) in _SIZED:
+        return len(source), 0
+    if type(source) is range:
+        return len(source), 32
+    if isinstance(source, np.ndarray) and source.ndim:
+        return len(source), 128
+    raise UnsafePickleError(f"refusing {what}() of a {type(source).__name__}: only containers, strings and ranges")
+
+
+def _charged_builtin(kind: type, slot: int) -> Callable[..., Any]:
+    """The builtin `kind`, charging what `kind(source)` would allocate before it does.
+
+    A function: pickles call these with REDUCE only (NEWOBJ of a function is refused as a
+    malformed pickle)."""
+    name = kind.__name__
+
+    def charged(*args: Any, **kwargs: Any) -> Any:
+        if args:
+            source = args[0]
+            n, made = (len(source), 0) if type(source) in _SIZED else _elements(source, name)
+        else:
+            n, made = 0, 0
+        n += len(kwargs)
+        ledger = allocations()
+        ledger.used += n * (slot + made) + 64
+        if ledger.used > ledger.limit:
+            ledger.refuse(f"{name}() of {n:,} elements")
+        return kind(*args, **kwargs)
+
+    charged.__name__ = charged.__qualname__ = name
+    return charged
+
+
+_CHARGED_TUPLE, _LIST = _charged_builtin(tuple, _SLOT), _charged_builtin(list, _SLOT)
+
+
+def _TUPLE(*args: Any) -> tuple:
+    """`tuple`, and `torch.Size`: of a tuple (each size in PyTorch DCP metadata), that very tuple,
+    nothing allocated and nothing charged."""
+    if len(args) == 1 and type(args[0]) is tuple:
+        return args[0]
+    return _CHARGED_TUPLE(*args)
+_SET, _FROZENSET = _charged_builtin(set, _SET_SLOT), _charged_builtin(frozenset, _SET_SLOT)
+_DICT, _ORDERED_DICT = _charged_builtin(dict, _DICT_SLOT), _charged_builtin(collections.OrderedDict, _DICT_SLOT)
 
 
 def _range(*args: Any) -> range:
@@ -78,12 +149,19 @@ def _range(*args: Any) -> range:
     return made
 
 
+def _path_parts(parts: tuple) -> tuple:
+    if not all(isinstance(part, str) for part in parts):
+        raise UnsafePickleError("refusing a pathlib path of something other than strings")
+    charge(sum(map(len, parts)) * 4 + 64, "a pathlib path")
+    return parts
+
+
 def _posix_path(*parts: str) -> str:
-    return str(pathlib.PurePosixPath(*parts))
+    return str(pathlib.PurePosixPath(*_path_parts(parts)))
 
 
 def _windows_path(*parts: str) -> str:
-    return str(pathlib.PureWindowsPath(*parts))
+    return str(pathlib.PureWindowsPath(*_path_parts(parts)))
 
 
 def _checked_dtype(np: Any, dtype: Any, what: str) -> Any:
@@ -97,22 +175,53 @@ def _checked_dtype(np: Any, dtype: Any, what: str) -> Any:
     return made
 
 
+MAX_NDIM = 64  # numpy itself stops at 32
+
+
 def _checked_alloc(shape: Any, itemsize: int, what: str) -> tuple[int, ...]:
-    """The dims of `shape`, refused when an array of them would be larger than the budget."""
-    dims = tuple(map(operator.index, shape if isinstance(shape, (tuple, list)) else (shape,)))
-    nbytes, limit = itemsize, current_budget().alloc
+    """The dims of `shape`, charged as an array of them before it is made."""
+    shape = shape if isinstance(shape, (tuple, list)) else (shape,)
+    if len(shape) > MAX_NDIM:
+        raise UnsafePickleError(f"refusing {what} of {len(shape):,} dimensions")
+    dims = tuple(map(operator.index, shape))
+    nbytes = itemsize
     for n in dims:
         if n < 0:
             raise UnsafePickleError(f"refusing {what} of shape {list(dims)[:8]}: negative dimension")
         nbytes *= n
-    if nbytes > limit:
-        raise over_budget(f"{what} of {nbytes:,} bytes (shape {list(dims)[:8]})", nbytes, "alloc", limit)
+    charge(nbytes, f"{what} of {nbytes:,} bytes (shape {list(dims)[:8]})").arrays += 1
     return dims
 
 
+class UnpickledArray(np.ndarray):
+    """What numpy's reconstructors make while a pickle loads: an ndarray whose `__setstate__`
+    (the BUILD opcode that gives it its data) charges that data first: numpy copies data given
+    as text, so one memoised string could otherwise fill any number of arrays. `plain_arrays`
+    turns every one into a plain ndarray view once the load is done."""
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, tuple) or len(state) not in (4, 5):
+            raise UnsafePickleError("refusing a numpy array state that is not numpy's (version, shape, dtype, "
+                                    "order, data)")
+        dtype, data = state[-3], state[-1]
+        if not isinstance(dtype, np.dtype) or dtype.hasobject:
+            raise UnsafePickleError("refusing a numpy array state whose dtype is not a plain one")
+        if not isinstance(data, (bytes, str)):
+            raise UnsafePickleError(f"refusing a numpy array state whose data is a {type(data).__name__}")
+        charge(len(data), "a numpy array's data")
+        super().__setstate__(state)
+
+    def __reduce__(self) -> Any:  # pickled again, it is a plain ndarray
+        return self.view(np.ndarray).__reduce__()
+
+
+def plain_arrays(tree: Any) -> Any:
+    """`tree` with every UnpickledArray replaced by a plain ndarray over the same memory."""
+    return replace_leaves(tree, {UnpickledArray: lambda array: array.view(np.ndarray)})
+
+
 def _numpy_globals() -> dict[tuple[str, str], Any]:
-    """numpy's reconstructors, each checking what it would allocate before it does."""
-    import numpy as np
+    """numpy's reconstructors, each charging what it would allocate before it does."""
     from numpy.core import multiarray
 
     def dtype(spec: Any, align: bool = False, copy: bool = True) -> Any:
@@ -122,18 +231,21 @@ def _numpy_globals() -> dict[tuple[str, str], Any]:
 
     def ndarray(shape: Any, dtype: Any = float) -> Any:
         made = _checked_dtype(np, dtype, "numpy.ndarray")
-        return np.ndarray(_checked_alloc(shape, made.itemsize, "numpy.ndarray"), made)
+        return np.ndarray.__new__(UnpickledArray, _checked_alloc(shape, made.itemsize, "numpy.ndarray"), made)
 
     def reconstruct(subtype: Any, shape: Any, dtype: Any) -> Any:
         if subtype is not ndarray and subtype is not np.ndarray:
             raise UnsafePickleError(f"refusing numpy _reconstruct of {type(subtype).__name__}: only ndarray")
         made = _checked_dtype(np, dtype, "numpy._reconstruct")
-        return multiarray._reconstruct(np.ndarray, _checked_alloc(shape, made.itemsize, "numpy._reconstruct"), made)
+        return multiarray._reconstruct(UnpickledArray, _checked_alloc(shape, made.itemsize, "numpy._reconstruct"),
+                                       made)
 
     def scalar(dtype: Any, *data: Any) -> Any:
         if not isinstance(dtype, np.dtype):
             raise UnsafePickleError("refusing numpy scalar() of something other than a dtype")
-        return multiarray.scalar(_checked_dtype(np, dtype, "numpy scalar"), *data)
+        made = _checked_dtype(np, dtype, "numpy scalar")
+        charge(made.itemsize, f"a numpy scalar of {made.itemsize:,} bytes")
+        return multiarray.scalar(made, *data)
 
     table: dict[tuple[str, str], Any] = {("numpy", "dtype"): dtype, ("numpy", "ndarray"): ndarray}
     for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
@@ -143,7 +255,7 @@ def _numpy_globals() -> dict[tuple[str, str], Any]:
 
 
 def _torch_globals() -> dict[tuple[str, str], Any]:
-    table: dict[tuple[str, str], Any] = {("torch", "Size"): tuple, ("torch", "device"): TorchDevice.unpickled}
+    table: dict[tuple[str, str], Any] = {("torch", "Size"): _TUPLE, ("torch", "device"): TorchDevice.unpickled}
     for d in dtypes.all_dtypes():  # every torch dtype: a refused one is refused as a dtype, not here
         if d.in_torch:
             table[("torch", d.name)] = d
@@ -157,18 +269,18 @@ def _torch_globals() -> dict[tuple[str, str], Any]:
 
 
 _SAFE_GLOBALS: dict[tuple[str, str], Any] = {
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
+    ("builtins", "set"): _SET,
+    ("builtins", "frozenset"): _FROZENSET,
     ("builtins", "complex"): complex,
     ("builtins", "bytearray"): _bytearray,
     ("builtins", "slice"): slice,
     ("builtins", "range"): _range,
-    ("builtins", "tuple"): tuple,
-    ("builtins", "list"): list,
-    ("builtins", "dict"): dict,
+    ("builtins", "tuple"): _TUPLE,
+    ("builtins", "list"): _LIST,
+    ("builtins", "dict"): _DICT,
     ("builtins", "object"): object,
     ("_codecs", "encode"): _encode,
-    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("collections", "OrderedDict"): _ORDERED_DICT,
     ("datetime", "datetime"): datetime.datetime,
     ("datetime", "date"): datetime.date,
     ("datetime", "time"): datetime.time,
@@ -229,39 +341,100 @@ def _stream_size(file: BinaryIO) -> int:
         return 0
 
 
-MEMO_SCAN_BYTES = 256 * 1024  # scanned in pure Python: at most ~40 ms
+SCAN_BYTES = 1 << 20  # scanned before loading: about 40 ms a MiB
 
 
-def _check_memo(file: BinaryIO, nbytes: int) -> None:
-    """Refuse a memo index no honest pickle of this size uses, and opcodes that do not parse (see
-    below), before the C unpickler runs. It grows its memo to
-    twice the largest index it is told to store at (a 6-byte `LONG_BINPUT 10**8` asks for 1.6 GB).
-    Honest indices count the objects stored, fewer than the pickle's bytes; allowed are up to
-    8 x its bytes or 2^20 (a memo of at most 32 MiB). Pickles above MEMO_SCAN_BYTES (large
-    metadata, where a scan would cost seconds) are not scanned.
-
-    Raises:
-        UnsafePickleError: an index is larger than the pickle.
-        pickle.UnpicklingError: the opcodes do not parse (reported by the callers as corrupt).
-    """
-    if not isinstance(file, io.BytesIO) or not 0 < nbytes <= MEMO_SCAN_BYTES:
-        return
+def _arguments() -> dict[int, tuple[int, int, str]]:
+    """Opcode byte -> (layout of its argument, size, name). Layouts: 0 none, 1 `size` bytes, 2 a
+    `size`-byte little-endian length then that many bytes, 3 `size` newline-ended lines."""
     import pickletools
 
-    limit = max(8 * nbytes, 1 << 20)
-    data = file.getvalue()[file.tell():]  # getvalue() shares the bytes; the slice is small
-    try:
-        for opcode, arg, _ in pickletools.genops(data):
-            if opcode.name in ("PUT", "BINPUT", "LONG_BINPUT") and int(arg) > limit:
-                raise UnsafePickleError(f"refusing a memo index of {int(arg):,} in a pickle of {nbytes:,} bytes "
-                                        "(it would make the unpickler allocate a memo that large)")
-    except (ValueError, EOFError, UnicodeDecodeError) as exc:
-        # Malformed, so the load would fail too; but not first: a BYTEARRAY8 declaring more bytes
-        # than remain makes the C unpickler allocate them, and when that fails CPython 3.11 frees
-        # the bytearray half made and prints "SystemError: deallocated bytearray object has
-        # exported buffers" on stderr (found by tests/test_fuzz_parsers.py's bench).
-        raise pickle.UnpicklingError(f"malformed pickle ({str(exc)[:160]})") from None
+    lengths = {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT4: 4,
+               pickletools.TAKEN_FROM_ARGUMENT4U: 4, pickletools.TAKEN_FROM_ARGUMENT8U: 8}
+    table = {}
+    for op in pickletools.opcodes:
+        arg, code, name = op.arg, op.code.encode("latin-1")[0], op.name.lower()
+        if arg is None:
+            table[code] = (0, 0, name)
+        elif op.name in ("GLOBAL", "INST"):
+            table[code] = (3, 2, name)
+        elif arg.n >= 0:
+            table[code] = (1, arg.n, name)
+        elif arg.n == pickletools.UP_TO_NEWLINE:
+            table[code] = (3, 1, name)
+        else:
+            table[code] = (2, lengths[arg.n], name)
+    return table
 
+
+_ARGUMENTS: dict[int, tuple[int, int, str]] = {}
+_PUT, _BINPUT, _LONG_BINPUT, _STOP = b"p"[0], b"q"[0], b"r"[0], b"."[0]
+
+
+def _scan(file: BinaryIO, nbytes: int) -> None:
+    """Refuse what a pickle's opcodes declare beyond what its bytes can honestly need, before the
+    C unpickler acts on it (pickles above SCAN_BYTES, large metadata where a scan would cost
+    seconds, are not scanned; the `hpckpt` process bounds their load's memory, `_memory_cap`):
+
+    - a memo index no honest pickle of this size uses: the unpickler grows its memo to twice the
+      largest index it is told to store at, 16 bytes an entry (a 6-byte `LONG_BINPUT 10**8` asks
+      for 1.6 GB); an honest index counts the objects stored before, fewer than the bytes (allowed:
+      2 x the bytes or 2^20, a memo of at most 64 MiB for a pickle of SCAN_BYTES);
+    - a length (of bytes, a string, a long integer, a frame) past the pickle's end: the
+      unpickler allocates what a BYTEARRAY8 declares before it finds the bytes missing.
+
+    Raises:
+        UnsafePickleError: a memo index larger than the pickle.
+        pickle.UnpicklingError: the opcodes do not parse (reported by the callers as corrupt).
+    """
+    if not isinstance(file, io.BytesIO) or not 0 < nbytes <= SCAN_BYTES:
+        return
+    if not _ARGUMENTS:
+        _ARGUMENTS.update(_arguments())
+    start = file.tell()
+    _scan_opcodes(file.getvalue(), start, max(2 * nbytes, 1 << 20))  # getvalue() shares the bytes
+
+
+def _scan_opcodes(data: bytes, at: int, memo_limit: int) -> None:
+    table, end, index = _ARGUMENTS, len(data), None
+    while at < end:
+        code = data[at]
+        layout = table.get(code)
+        if layout is None:
+            raise pickle.UnpicklingError(f"malformed pickle (no opcode {code:#04x} at byte {at})")
+        kind, size, name = layout
+        at += 1
+        if kind == 1:
+            if code == _BINPUT or code == _LONG_BINPUT:
+                index = int.from_bytes(data[at:at + size], "little")
+            at += size
+        elif kind == 2:
+            length = int.from_bytes(data[at:at + size], "little")
+            if at + size + length > end:
+                raise pickle.UnpicklingError(f"malformed pickle (a {name} declares {length:,} bytes, "
+                                             f"{max(0, end - at - size):,} remain)")
+            at += size + length
+        elif kind == 3:
+            start = at
+            for _ in range(size):
+                at = data.find(b"\n", at) + 1
+                if at == 0:
+                    raise pickle.UnpicklingError("malformed pickle (a line argument without its newline)")
+            if code == _PUT:
+                try:
+                    index = int(data[start:at - 1])
+                except ValueError:
+                    raise pickle.UnpicklingError(f"malformed pickle (PUT {data[start:at - 1][:20]!r})") from None
+        elif code == _STOP:
+            return
+        if at > end:
+            raise pickle.UnpicklingError(f"malformed pickle (the argument of a {name} runs past the end)")
+        if index is not None:
+            if index > memo_limit:
+                raise UnsafePickleError(f"refusing a memo index of {index:,} in a pickle of {end:,} bytes "
+                                        "(it would make the unpickler allocate a memo that large)")
+            index = None
+    raise pickle.UnpicklingError("malformed pickle (no STOP opcode)")
 
 @contextlib.contextmanager
 def _memory_cap(nbytes: int):
@@ -277,7 +450,7 @@ def _memory_cap(nbytes: int):
 
     # Only in the `hpckpt` process (`core.process`): the limit is the process's, and the threads of
     # a program importing hpckpt need theirs. Up to max(1 GiB, 64 x the pickle's bytes).
-    if not process.single_job or nbytes <= MEMO_SCAN_BYTES:
+    if not process.single_job or nbytes <= SCAN_BYTES:
         yield
         return
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -358,10 +531,16 @@ class SafeUnpickler(pickle.Unpickler):
         self._nbytes = _stream_size(file)
 
     def load(self) -> Any:
-        _check_memo(self._file, self._nbytes)
-        result = _load_on_big_stack(super().load, self._nbytes)
+        _scan(self._file, self._nbytes)
+        ledger = Allocations(current_budget().alloc_limit(self._nbytes))
+        result = _load_on_big_stack(lambda: run_charging(ledger, super(SafeUnpickler, self).load), self._nbytes)
         if self._kind == VALUE:
             check_value(result, self._nbytes)
+        if ledger.arrays:
+            try:
+                result = plain_arrays(result)
+            except RecursionError:  # (a value is walked above: only metadata nests this deep)
+                raise UnsafePickleError("refusing numpy arrays in metadata nested too deep to walk") from None
         return result
 
     def find_class(self, module: str, name: str) -> Any:

@@ -1031,8 +1031,139 @@ def _review_cases() -> None:
     case("hp-metadata-symlink-outside", {12}, metadata_outside)
 
 
+# --- memory: pickles of at most 1 MiB that ask for gigabytes ------------------------------------------
+#
+# Each shape below is a value-pushing run of protocol-2 opcodes; `_memory_cases` puts it into a
+# torch.save `data.pkl`, a HyperParallel `.bytes` value and a HyperParallel `.metadata`
+# (as its planner_data). tests/test_hostile_inputs.py asserts every command's peak resident
+# memory on every case. Memo indices start at MEMO, clear of the host pickle's own.
+
+MEMO = 200_000
+MIB = 1 << 20
+
+
+def _g(module: str, name: str) -> bytes:
+    return f"c{module}\n{name}\n".encode()
+
+
+def _put(i: int) -> bytes:
+    return b"r" + struct.pack("<I", MEMO + i) + b"0"  # LONG_BINPUT, POP
+
+
+def _get(i: int) -> bytes:
+    return b"j" + struct.pack("<I", MEMO + i)  # LONG_BINGET
+
+
+def _unicode(text: str) -> bytes:
+    raw = text.encode()
+    return b"X" + struct.pack("<I", len(raw)) + raw
+
+
+def _binbytes(data: bytes) -> bytes:
+    return b"B" + struct.pack("<I", len(data)) + data
+
+
+def _int(n: int) -> bytes:
+    return b"J" + struct.pack("<i", n)
+
+
+def repeated_calls(func: bytes, arg: bytes, times: int) -> bytes:
+    """A list of `times` results of `func(arg)`, the callable and the argument memoised once: a
+    few bytes a call, each call allocating what the argument's size says."""
+    return func + _put(0) + arg + _put(1) + b"](" + (_get(0) + _get(1) + b"\x85R") * times + b"e"
+
+
+def _list_of_ints(n: int) -> bytes:
+    return b"](" + _int(1 << 20) * n + b"e"
+
+
+def numpy_build_text(times: int, chars: int) -> bytes:
+    """`times` arrays, each given the same memoised text as its data (numpy copies text)."""
+    state = b"(K\x01J" + struct.pack("<i", chars) + b"\x85" + _get(2) + b"\x89" + _get(3) + b"t"
+    return (_g("numpy.core.multiarray", "_reconstruct") + _put(0) + _g("numpy", "ndarray") + _put(1)
+            + _g("numpy", "dtype") + _unicode("u1") + b"\x85R" + _put(2) + _unicode("x" * chars) + _put(3)
+            + b"](" + (_get(0) + _get(1) + b"K\x00\x85C\x01b\x87R" + state + b"b") * times + b"e")
+
+
+def shared_bomb_to(size: int) -> bytes:
+    """`shared_bomb_opcodes` padded with a string to `size` bytes: the object budget grows with
+    a pickle's size, so a bomb this large is allowed the most objects a walk must count."""
+    bomb = b"(" + shared_bomb_opcodes() + _unicode("p" * (size - 400)) + b"t"
+    return bomb
+
+
+MEMORY_SHAPES: dict[str, bytes] = {
+    # the issue's shape: 200 bytes calling list(range(4,000,000)) 25 times over one memoised range
+    "list-of-range-x25": repeated_calls(_g("__builtin__", "list"), _g("__builtin__", "range") + _put(9)
+                                        + _get(9) + _int(4_000_000) + b"\x85R", 25),
+    "frozenset-of-range-x8": repeated_calls(_g("__builtin__", "frozenset"), _g("__builtin__", "range") + _put(9)
+                                            + _get(9) + _int(4_000_000) + b"\x85R", 8),
+    "tuple-of-list-x4000": repeated_calls(_g("__builtin__", "tuple"), _list_of_ints(40_000), 4000),
+    "bytearray-of-bytes-x4000": repeated_calls(_g("__builtin__", "bytearray"), _binbytes(b"b" * (256 << 10)), 4000),
+    "codecs-encode-x4000": _g("_codecs", "encode") + _put(0) + _unicode("c" * (256 << 10)) + _put(1)
+                           + _unicode("latin1") + _put(2) + b"](" + (_get(0) + _get(1) + _get(2) + b"\x86R") * 4000
+                           + b"e",
+    "path-of-text-x4000": repeated_calls(_g("pathlib", "PosixPath"), _unicode("d" * (256 << 10)), 4000),
+    "numpy-scalar-1GiB-x4": repeated_calls(_g("numpy.core.multiarray", "scalar"), _g("numpy", "dtype")
+                                           + _unicode("V1073741824") + b"\x85R", 4),
+    "numpy-ndarray-128MiB-x16": _g("numpy", "ndarray") + _put(0) + b"(J" + struct.pack("<i", 128 << 20) + b"\x85"
+                                + _g("numpy", "dtype") + _unicode("u1") + b"\x85Rt" + _put(1)
+                                + b"](" + (_get(0) + _get(1) + b"R") * 16 + b"e",
+    "numpy-build-text-x3000": numpy_build_text(3000, 256 << 10),
+    "memo-index-2e9-at-1MiB": _unicode("m" * (MIB - 4096)) + b"r" + struct.pack("<I", 2_000_000_000),
+    "bytes8-length-2e15-at-1MiB": _unicode("l" * (MIB - 4096)) + b"0\x8e" + struct.pack("<Q", 2 * 10**15),
+    "shared-bomb-at-1MiB": shared_bomb_to(MIB - 4096),
+    "deep-list-500000": deep_list_opcodes(500_000),
+}
+
+
+def _pt_with_value(shape: bytes) -> Callable[[Path], Path]:
+    return _pt_member(lambda data: b"\x80\x02}q\x00X\x01\x00\x00\x00vq\x01" + shape + b"s.")
+
+
+def _hp_value(shape: bytes) -> Callable[[Path], Path]:
+    def build(d: Path) -> Path:
+        w = np.arange(12, dtype=np.float32).reshape(4, 3)
+        return write_hp(d / "ckpt", {"w": ("torch.float32", (4, 3), [("_rank0_.safetensors", "w", (0, 0), w)])},
+                        values={"step": ("_rank0_.bytes", b"\x80\x02" + shape + b".")})
+    return build
+
+
+def _dcp_spliced(opcodes: bytes) -> Callable[[Path], Path]:
+    """A builder: the PyTorch DCP sample's `.metadata` (protocol 2) with raw pickle `opcodes` as
+    its planner_data."""
+    marker = "HOSTILE-PLACEHOLDER"
+
+    def build(d: Path) -> Path:
+        root = dcp_sample(d / "dcp")
+        metadata = pickle.loads((root / ".metadata").read_bytes())
+        metadata.planner_data = marker
+        raw = pickle.dumps(metadata, protocol=2)
+        encoded = b"X" + struct.pack("<I", len(marker)) + marker.encode()
+        assert raw.count(encoded) == 1
+        (root / ".metadata").write_bytes(raw.replace(encoded, opcodes))
+        return root
+    return build
+
+
+def _memory_cases() -> None:
+    planner = lambda m, marker: _set(m, "planner_data", marker)
+    metadata = ("list-of-range-x25", "bytearray-of-bytes-x4000", "path-of-text-x4000", "numpy-build-text-x3000",
+                "memo-index-2e9-at-1MiB")
+    for name, shape in MEMORY_SHAPES.items():
+        assert len(shape) < MIB - 1024, (name, len(shape))
+        case(f"mem-pt-{name}", {6, 7, 9}, _pt_with_value(shape))
+        case(f"mem-hp-value-{name}", {6, 7, 9}, _hp_value(shape), inspect_ok=True)
+        if name in metadata:
+            case(f"mem-hp-metadata-{name}", {6, 7}, hp_spliced(planner, shape))
+            case(f"mem-dcp-metadata-{name}", {6, 7}, _dcp_spliced(shape))
+    # MindSpore .ckpt: one tag repeated (a tensor split into pieces) declaring 1 GiB in 4-byte pieces
+    piece = ckpt_value("w", [1 << 28], "Float32", b"\0" * 4)
+    case("mem-ckpt-one-tag-x1000-declaring-1GiB", {9}, lambda d: _write(d / "m.ckpt", piece * 1000))
+
+
 for _add in (_truncation_cases, _safetensors_cases, _sidecar_cases, _hp_special_cases, _hp_metadata_cases,
-             _torch_cases, _bin_cases, _argument_cases, _review_cases):
+             _torch_cases, _bin_cases, _argument_cases, _review_cases, _memory_cases):
     _add()
 
 

@@ -3,7 +3,8 @@
     python tests/hostile_driver.py MANIFEST.json RESULTS.json WORKDIR
 
 The address space is capped at 4 GiB first (a reader that allocates what a hostile header
-declares fails here, not on a user's machine), torch is never imported, and each command runs
+declares fails here, not on a user's machine), torch is never imported, each command's peak
+resident memory is recorded (`peak_mib`, the process's VmHWM reset before it), and each command runs
 through `hpckpt.cli.app.run()` with `sys.argv` set, its file descriptors 1 and 2 redirected to
 files (so whatever writes to them is caught), under a wall-clock budget (SIGALRM): a command
 that blocks (a FIFO opened for reading) is stopped and recorded as `"timeout"`. Writing commands
@@ -20,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from inprocess import install_alarm, limit_memory, memoise_typer, run_redirected
+from inprocess import install_alarm, limit_memory, memoise_typer, peak_mib, run_redirected, start_peak
 
 BUDGET_SECONDS = 5.0
 COMMANDS = {
@@ -42,8 +43,10 @@ def run_one(args: list[str], scratch: Path) -> dict:
 
     out_path, err_path = scratch / "stdout", scratch / "stderr"
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        start_peak()
         code, timed_out, seconds = run_redirected(run, args, out.fileno(), err.fileno(), BUDGET_SECONDS)
-    return {"args": args, "code": code, "timeout": timed_out, "seconds": round(seconds, 3),
+        peak = peak_mib()
+    return {"args": args, "code": code, "timeout": timed_out, "seconds": round(seconds, 3), "peak_mib": round(peak, 1),
             "stdout": out_path.read_bytes().decode("utf-8", "backslashreplace"),
             "stderr": err_path.read_bytes().decode("utf-8", "backslashreplace")}
 

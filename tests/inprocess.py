@@ -1,9 +1,14 @@
 """Running `hpckpt` many times in one process, as the hostile-input drivers do: under a 4 GiB
-address-space cap, with fds 1 and 2 on scratch files and a wall-clock budget per run."""
+address-space cap, with fds 1 and 2 on scratch files, a wall-clock budget and the peak resident
+memory of each run."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import os
+import re
 import resource
 import signal
 import sys
@@ -24,6 +29,28 @@ def limit_memory() -> None:
     _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     cap = 4 << 30
     resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
+
+
+#: The peak resident memory every command must stay under on any input up to 1 MiB, hostile or
+#: damaged (the drivers' runs are judged against it).
+MEMORY_MIB = 512
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+def start_peak() -> None:
+    """Forget the process's peak resident memory so far (`VmHWM`), after handing the memory the
+    previous runs freed back to the system, so that `peak_mib()` measures the next run alone."""
+    gc.collect()
+    _libc.malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size (Linux >= 4.0)
+
+
+def peak_mib() -> float:
+    """The peak resident memory since `start_peak()`, in MiB."""
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) / 1024
 
 
 def install_alarm() -> None:

@@ -554,14 +554,16 @@ def test_errors_name_the_problem(cli_results):
 
 
 def test_a_memo_index_bomb_too_large_to_scan_is_bounded_by_the_command(tmp_path):
-    """A 300 KiB metadata pickle (above the scanned size) naming memo index 4*10^8 would make the
+    """A 1.1 MiB metadata pickle (above the scanned size) naming memo index 4*10^8 would make the
     C unpickler allocate a 6.4 GB memo; the `hpckpt` process bounds the load's address space, so
     it is refused (exit 7) in well under a second and 200 MB."""
     import subprocess
     import sys
 
+    from hpckpt.core.unpickle import SCAN_BYTES
+
     root = hp_checkpoint(tmp_path / "memo")
-    module, pad = b"hyper_parallel.core.distributed_checkpoint.metadata", b"x" * (300 << 10)
+    module, pad = b"hyper_parallel.core.distributed_checkpoint.metadata", b"x" * (SCAN_BYTES + (100 << 10))
     data = (PROTO + b"\x8c" + bytes([len(module)]) + module + b"\x8c\x08Metadata\x930" + b"X"
             + len(pad).to_bytes(4, "little") + pad + b"0}r" + (4 * 10**8).to_bytes(4, "little") + b".")
     (root / ".metadata").write_bytes(data)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import pytest
 from _util import FIXTURES, REPO
+from inprocess import MEMORY_MIB
 from hpckpt.core.errors import ERROR_CLASSES
 
 HERE = Path(__file__).parent
@@ -318,7 +319,7 @@ def test_the_sweep_covers_every_format_every_byte(sweep):
 def test_the_drivers_are_fast_lean_and_never_import_torch(sweep):
     for report in sweep["reports"]:
         assert not report["torch_imported"] and not report["mindspore_imported"]
-        assert report["max_rss_kib"] < 1 << 20, report["max_rss_kib"]
+        assert report["peak_mib"] < MEMORY_MIB, report["peak_mib"]  # the whole sweep: every run within it
     runs = sum(len(r) for result in sweep["results"].values() for r in result["files"].values())
     print(f"\n{runs} runs in {sweep['elapsed']:.1f} s (samples built in {sweep['built']:.1f} s)")
     assert sweep["elapsed"] < SWEEP_SECONDS

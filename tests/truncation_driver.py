@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from inprocess import install_alarm, limit_memory, memoise_typer, run_redirected
+from inprocess import install_alarm, limit_memory, memoise_typer, peak_mib, run_redirected
 
 HERE = Path(__file__).resolve().parent
 BUDGET_SECONDS = 5.0  # a run that takes this long is stopped and recorded as a timeout
@@ -176,7 +175,7 @@ def sweep(plan_path: str, results_path: str) -> int:
         run = Runner(Path(scratch))
         samples = {sample["name"]: sweep_sample(sample, run) for sample in plan["samples"]}
     report = {"seconds": round(time.perf_counter() - started, 2), "cpu_seconds": round(time.process_time(), 2),
-              "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+              "peak_mib": peak_mib(),  # VmHWM: ru_maxrss would carry pytest's peak over the exec
               "torch_imported": "torch" in sys.modules, "mindspore_imported": "mindspore" in sys.modules,
               "samples": samples}
     Path(results_path).write_text(json.dumps(report))
