@@ -355,6 +355,9 @@ def launch(plan: LaunchPlan, on_progress: Callable[[job_files.RunFiles], None] |
                 time.sleep(POLL_SECONDS)  # a peer's report written in the same instant joins this one
                 stop_job(proc, known)
                 run = job_files.read_run(plan.run_dir)
+                if not run.failed() and not unreported(plan, run):
+                    return Outcome(True, proc.returncode, run, died_after_success(run, tail.read(), plan.run_dir),
+                                   time.monotonic() - started)
                 message = root_cause(run, tail.read(), proc.returncode if code is not None else None,
                                      plan.run_dir, launcher_log)
                 return Outcome(False, proc.returncode, run, message, time.monotonic() - started)
@@ -399,11 +402,31 @@ def report(plan: LaunchPlan, run: job_files.RunFiles) -> dict:
             "ranks": results, "totals": totals(results), "log_dir": str(plan.run_dir)}
 
 
+def unreported(plan: LaunchPlan, run: job_files.RunFiles) -> list[int]:
+    """This node's ranks that have not reported success with a result."""
+    expected = range(plan.node_rank * plan.nproc_per_node, (plan.node_rank + 1) * plan.nproc_per_node)
+    return [r for r in expected if run.ranks.get(r) is None or run.ranks[r].state != job_files.OK
+            or run.ranks[r].result is None]
+
+
+def died_after_success(run: job_files.RunFiles, launcher_output: str, run_dir: Path) -> str:
+    """The warning for a job every rank of which reported success before one of them died.
+
+    A rank reports success once its job is done and everything it wrote is committed; only the
+    interpreter's teardown comes after (the launcher then stops the others). Such a death does
+    not change the job's result, and is reported as what it is."""
+    statuses = {r: f.status for r, f in run.ranks.items() if f.status}
+    dead = [d for d in dead_ranks(launcher_output, statuses) if d.exit_code != -signal.SIGTERM]
+    who = (f"rank {dead[0].rank}" if dead and dead[0].rank is not None else "a worker") + \
+        (f" ({_exit_text(dead[0].exit_code)})" if dead else "")
+    log = f" (log: {job_files.log_path(run_dir, dead[0].rank)})" if dead and dead[0].rank is not None else ""
+    return (f"{who} died at exit after every rank had reported success: the results stand; its interpreter's "
+            f"teardown failed{log}")
+
+
 def check_complete(plan: LaunchPlan, run: job_files.RunFiles) -> None:
     """A launcher that exited 0 while this node's ranks did not all report ok is a failure too."""
-    expected = range(plan.node_rank * plan.nproc_per_node, (plan.node_rank + 1) * plan.nproc_per_node)
-    missing = [r for r in expected if run.ranks.get(r) is None or run.ranks[r].state != job_files.OK
-               or run.ranks[r].result is None]
+    missing = unreported(plan, run)
     if missing:
         r = missing[0]
         raise JobFailedError(f"rank {r} ended without reporting success (log: {job_files.log_path(plan.run_dir, r)})",

@@ -172,6 +172,8 @@ def _launch(ctx: typer.Context, spec: dict) -> None:
         outcome = launching.launch(plan, progress.show)
     if not outcome.ok:
         raise launching.JobFailedError(outcome.message, hint=f"logs of every rank: {run_dir}")
+    if outcome.message:  # a rank died in teardown after every rank reported success
+        _output.warn(outcome.message)
     launching.check_complete(plan, outcome.run)
     document = launching.report(plan, outcome.run)
     if _output.json_mode():

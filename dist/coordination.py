@@ -4,7 +4,7 @@ Every exchange is an `all_gather` of a JSON-able object under a phase name; each
 decides the same thing from the same list, so nothing is ever broadcast and no rank waits for a
 verdict it could compute itself.
 
-- `Collectives`: the framework's gather (torch's `all_gather_object`, MindSpore's AllGather);
+- `Collectives`: the framework's gather (an all_gather over torch's process group, MindSpore's AllGather);
   when it fails (a peer died: connection closed; or the group's timeout) it raises a
   `CoordinationTimeoutError`, as a storage wait does, not the framework's RuntimeError.
 - `Storage`: no collectives at all. Each rank writes `.hpckpt-PHASE-RANK.json` (written aside and

@@ -151,7 +151,7 @@ def start(argv: list[str], actions: Actions = Actions(), stderr: Path | None = N
             sys.stderr.flush()
             _REAL["write"](write_end, str(counter.total).encode())
         finally:
-            os._exit(code)
+            os._exit(code)  # a forked child, which the test may kill on purpose: never the parent's teardown
     os.close(write_end)
     return Child(pid, read_end)
 
@@ -193,7 +193,7 @@ def main() -> None:
     code = _run_cli(argv)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(code)  # as the `hpckpt` console script leaves (cli/app.py: no process group, no teardown to hide)
 
 
 if __name__ == "__main__":

@@ -205,7 +205,7 @@ def test_hf_bin_unreadable_variants_say_what_to_do(tmp_path, hf_bin):
 # 3. and 4. torch DCP's HuggingFaceStorageWriter, per rank
 
 HF_WRITER_JOB = textwrap.dedent('''
-    import os, sys
+    import os, sys, time
     import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
@@ -241,6 +241,7 @@ HF_WRITER_JOB = textwrap.dedent('''
         if rank == 0:
             torch.save(full(), os.path.join(os.path.dirname(out), "full.pt"))
         dist.destroy_process_group()
+        time.sleep(0.05)  # torch's exit abort: README, "Clean exits"
 
 
     if __name__ == "__main__":

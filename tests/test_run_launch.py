@@ -330,6 +330,49 @@ def test_a_launcher_failing_after_the_ranks_is_said_so(tmp_path):
         f"msrun's scheduler failed (log: {tmp_path / 'scheduler.log'})")
 
 
+ABORT_AFTER_OK = """
+import json, os, sys
+run_dir = sys.argv[sys.argv.index("--run-dir") + 1]
+for rank in (0, 1):  # what the workers write before their barrier and teardown
+    if rank == 1 and os.environ.get("UNREPORTED"):
+        continue
+    for name, doc in (("result", {"rank": rank, "seconds": 1.0}), ("status", {"rank": rank, "state": "ok", "time": 0})):
+        with open(os.path.join(run_dir, f"{name}-{rank}.json"), "w") as f:
+            json.dump(doc, f)
+print(\"\"\"Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-03_08:02:03
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -6 (pid: 2718)  (SIGABRT)
+  error_file: <N/A>
+  traceback : Signal 6 (SIGABRT) received by PID 2718\"\"\")
+sys.exit(1)
+"""
+
+
+def test_a_rank_dying_after_every_rank_reported_success_is_a_warning(tmp_path, monkeypatch):
+    """torchrun exits 1 because rank 1 aborted in its interpreter's teardown, after every rank had
+    reported success and its results: the job succeeded (its results stand), and the warning
+    names the rank and its log. Without rank 1's report it is the failure it always was."""
+    launcher = tmp_path / "fake_torchrun.py"
+    launcher.write_text(ABORT_AFTER_OK)
+    for unreported, ok in (("", True), ("1", False)):
+        run_dir = tmp_path / f"run{unreported}"
+        plan = _launch.LaunchPlan("torchrun", 2, {"job": "selftest"}, run_dir)
+        monkeypatch.setattr(plan, "command", lambda: [sys.executable, str(launcher), *plan.worker_args()])
+        monkeypatch.setenv("UNREPORTED", unreported)
+        outcome = _launch.launch(plan)
+        assert outcome.ok is ok and outcome.launcher_code == 1, outcome
+        if ok:
+            assert outcome.message == (f"rank 1 (killed by SIGABRT) died at exit after every rank had reported success: "
+                                       f"the results stand; its interpreter's teardown failed "
+                                       f"(log: {run_dir / 'rank-1.log'})")
+            assert not _launch.unreported(plan, outcome.run)
+        else:
+            assert outcome.message.startswith("rank 1 exited without a report (killed by SIGABRT)"), outcome.message
+
+
 def test_what_node_0_can_tell_is_refused_before_any_launcher_starts(tmp_path):
     """A missing source, an existing destination, a destination inside the source: one line,
     the error's own exit code, and no log directory (nothing was launched)."""

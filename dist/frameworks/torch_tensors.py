@@ -1,10 +1,22 @@
 """PyTorch for `hpckpt.dist`: DTensor and `chunk_info` shards, host arrays, in-place fills and
 collectives over a torch process group. The only module of hpckpt that imports torch for the
-live library (interface: `hpckpt.dist.frameworks`)."""
+live library (interface: `hpckpt.dist.frameworks`).
+
+Every collective here returns only once gloo's worker threads have let go of its tensors
+(`_settle`). A gloo worker drops a finished collective's tensors after it has woken the caller,
+and dropping a tensor that Python also holds takes the GIL; when that happens after the
+interpreter began to finalize (a script that returns right after a collective, with its process
+group still alive: FSDP2 keeps it alive past `destroy_process_group()`), CPython 3.11 ends the
+worker with `pthread_exit`, whose unwinding through the work's noexcept destructor aborts the
+process ("terminate called without an active exception"). Settled, hpckpt's collectives are
+never the ones pending at exit. The README ("Clean exits") tells the whole story.
+"""
 
 from __future__ import annotations
 
 import json
+import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -128,23 +140,71 @@ def fill(t: torch.Tensor, array: np.ndarray, source: DType, rows: tuple[int, int
         t[rows[0]:rows[1]].copy_(values.reshape(t[rows[0]:rows[1]].shape))
 
 
+#: How long a collective waits for gloo's workers to let go of its tensors. They do within
+#: microseconds; tensors still held after this are held by something else (a debugging wrapper
+#: of torch's, say), and this process stops waiting for any.
+SETTLE_SECONDS = 1.0
+_settling = {"on": True}
+
+
+def _refcounts(tensors: list[torch.Tensor]) -> list[int]:
+    return [sys.getrefcount(t) for t in tensors]
+
+
+def _settle(tensors: list[torch.Tensor], before: list[int]) -> None:
+    """Wait until no other thread holds `tensors` (their Python reference counts are back to
+    `before`, taken the same way before the collective), sleeping so that a worker waiting for
+    the GIL gets it."""
+    deadline, pause = time.monotonic() + SETTLE_SECONDS, 0.0
+    while _refcounts(tensors) != before:
+        if time.monotonic() > deadline:
+            _settling["on"] = False
+            return
+        time.sleep(pause)
+        pause = min(max(pause * 2, 1e-4), 1e-2)
+
+
 class Comm:
     """Exchanges over a torch process group (gloo on CPU, nccl on GPUs)."""
 
     def __init__(self, group: Any = None):
         self.group = group if group is not None else tdist.group.WORLD
         self.rank, self.world_size = tdist.get_rank(self.group), tdist.get_world_size(self.group)
+        backend = tdist.get_backend(self.group)
         # nccl moves only accelerator tensors (the untested path here: no GPU on this machine)
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if tdist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        # gloo's workers release a work right after finishing it, and gloo has no shutdown: its
+        # threads live as long as the group object. nccl's watchdog releases works on its own
+        # schedule (a sleep between sweeps: settling would add it to every collective), and
+        # `destroy_process_group()` shuts nccl groups down (ProcessGroupNCCL::shutdown).
+        self.settles = backend == "gloo"
+
+    def _run(self, start: Any, tensors: list[torch.Tensor]) -> None:
+        """Start a collective over `tensors` (`start()` returns its work), wait for it, settle."""
+        before = _refcounts(tensors)
+        work = start()
+        if work is not None:  # None: this rank is not in the group
+            work.wait()
+        del work  # the work's last reference is then the worker's, or none
+        if self.settles and _settling["on"]:
+            _settle(tensors, before)
+
+    def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        t = t.to(self.device)
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        self._run(lambda: tdist.all_gather(out, t, group=self.group, async_op=True), [t, *out])
+        return [o.cpu() for o in out]
 
     def all_gather_json(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
-        tdist.all_gather_object(out, json.dumps(obj), group=self.group)
-        return [json.loads(doc) for doc in out]
+        """Every rank's `obj` (JSON), in rank order: the lengths, then the padded documents."""
+        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+        sizes = [int(n) for n in self._all_gather(torch.tensor([data.numel()], dtype=torch.int64))]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        padded[:data.numel()] = data
+        return [json.loads(bytes(doc[:n].numpy())) for doc, n in zip(self._all_gather(padded), sizes)]
 
     def barrier(self) -> None:
-        tdist.barrier(group=self.group)
+        tdist.barrier(group=self.group)  # (gloo's barrier holds no tensors: nothing to settle)
 
     def global_rank(self, group_rank: int) -> int:
         return tdist.get_global_rank(self.group, group_rank)
@@ -158,7 +218,7 @@ class Comm:
 
     def broadcast(self, buffer: np.ndarray, src: int, handle: Any) -> np.ndarray:
         data = torch.from_numpy(buffer).to(self.device)
-        tdist.broadcast(data, src=self.global_rank(src), group=handle)
+        self._run(lambda: tdist.broadcast(data, src=self.global_rank(src), group=handle, async_op=True), [data])
         return data.cpu().numpy() if self.device.type != "cpu" else buffer
 
     def release(self, handles: dict) -> None:

@@ -87,8 +87,13 @@ def _env_rank(launcher: str) -> tuple[int, int]:
 
 def _start_torch(world_size: int) -> tuple[int, int]:
     """gloo, also for one rank: the jobs then meet one kind of process group (torchrun sets the
-    rendezvous variables whatever the world size)."""
+    rendezvous variables whatever the world size).
+
+    `torch.distributed.nn` is imported first: its functions take the default group as a default
+    argument, so imported later (by torch DCP, FSDP) they would hold the group past
+    `destroy_process_group()`, and gloo's threads with it (README, "Clean exits")."""
     import torch.distributed as tdist
+    import torch.distributed.nn  # noqa: F401 - see above
 
     if not tdist.is_initialized():
         tdist.init_process_group("gloo")
@@ -104,13 +109,32 @@ def _start_mindspore() -> tuple[int, int]:
     return communication.get_rank(), communication.get_group_size()
 
 
+EXIT_GRACE_SECONDS = 0.2
+
+
 def _stop_framework(framework: str) -> None:
+    """Tear the framework down while the interpreter is whole (nothing of the job holds it now).
+
+    torch: `destroy_process_group()` frees a gloo group, and joins its threads, only when nothing
+    else holds it; then the collection below finds it gone. If something still does (FSDP2's
+    state), gloo's threads live on and may still release a finished collective's tensors, which
+    takes the GIL: the process lets them do it before the interpreter finalizes, since a thread
+    that takes the GIL after that aborts the process (README, "Clean exits")."""
     try:
         if framework == "torch":
+            import gc
+            import weakref
+
             import torch.distributed as tdist
 
             if tdist.is_initialized():
+                group = weakref.ref(tdist.group.WORLD)
                 tdist.destroy_process_group()
+                gc.collect()
+                if group() is not None:
+                    print("the process group outlived destroy_process_group(); waiting "
+                          f"{EXIT_GRACE_SECONDS} s for gloo's threads", flush=True)
+                    time.sleep(EXIT_GRACE_SECONDS)
         else:
             from mindspore import communication
 
@@ -205,5 +229,6 @@ def main(argv: list[str] | None = None) -> int:
         ctx.comm.barrier()  # a rank leaving early can break a slower peer's collective (msrun)
     except Exception:  # noqa: BLE001 - this rank's outcome is written; a peer's failure is its own report
         traceback.print_exc()
+    del ctx  # its exchanges hold the process group
     _stop_framework(framework)
     return 0

@@ -188,6 +188,7 @@ def load_fixtures(fixtures: Path, out: Path) -> int:
             print(f"[rank {rank}] {name}: {p}", file=sys.stderr)
     dist.barrier()
     dist.destroy_process_group()
+    time.sleep(0.05)  # torch's exit abort: README, "Clean exits"
     return 1 if failed else 0
 
 
@@ -333,6 +334,7 @@ def save_live(out: Path) -> int:
         print(f"[rank {rank}] {p}", file=sys.stderr)
     dist.barrier()
     dist.destroy_process_group()
+    time.sleep(0.05)  # torch's exit abort: README, "Clean exits"
     return 1 if fails else 0
 
 

@@ -30,8 +30,8 @@ Each rank also writes a one-line JSON summary to stdout (`rank R: SUMMARY {...}`
 from __future__ import annotations
 
 import json
-import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -396,12 +396,17 @@ def main() -> int:
             run_load(out, sys.argv[3])
         else:
             raise SystemExit(f"unknown mode {mode!r}")
-    except Exception:  # noqa: BLE001 - any error: report it, leave at once
+    except Exception:  # noqa: BLE001 - any error: report it and leave (torchrun then stops the other
+        # ranks), without destroy_process_group(), which could wait for them
         print(f"rank {rank()}: FAIL exception\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        os._exit(1)  # torchrun then stops the other ranks; never wait for them in a collective
+        return 1
     me, failed = rank(), gather(len(FAILURES))
     dist.barrier()
     dist.destroy_process_group()
+    # the README's workaround ("Clean exits"): this job's last collective is its own gather, and
+    # FSDP2 keeps the group (and gloo's threads) alive; let them release its tensors before the
+    # interpreter finalizes
+    time.sleep(0.05)
     if any(failed):
         print(f"rank {me}: {len(FAILURES)} failed check(s); failed checks per rank {failed}", file=sys.stderr, flush=True)
         return 1
@@ -410,9 +415,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # no interpreter teardown: with the group destroyed, gloo's threads can still abort the exit
-    # ("terminate called without an active exception", seen once in CI after every rank said OK)
-    os._exit(code)
+    sys.exit(main())

@@ -154,7 +154,9 @@ def run_rank(spec: dict) -> None:
     os.replace(out.with_name(out.name + ".tmp"), out)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # no atexit, no gloo teardown waiting for a dead peer
+    # a forked rank of the kill sweep, whose peers the test kills on purpose: it leaves as a forked
+    # child must, without the zygote's interpreter teardown (atexit, gloo waiting for a dead peer)
+    os._exit(0)
 
 
 def serve() -> None:
