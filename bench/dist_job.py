@@ -135,6 +135,17 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
+def cold_load(src: Path, load):
+    """(result, seconds, this rank's /proc/self/io delta) of `load()` after evicting `src` from the page cache."""
+    if rank() == 0:
+        evict(src)
+    dist.barrier()
+    before = proc_io()
+    out, seconds = timed(load)
+    after = proc_io()
+    return out, seconds, {k: after[k] - before[k] for k in ("rchar", "read_bytes", "syscr")}
+
+
 def files_under(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
 
@@ -223,7 +234,13 @@ def async_parts(state: dict, n: int = 3) -> dict:
     without the copy, next to a plain `clone()` of every shard (slowest rank each)."""
     import importlib
 
+    from hpckpt.dist import frameworks
+    from hpckpt.dist.flatten import flatten
+    from hpckpt.dist.output_formats import FORMATS
+
     hsave = importlib.import_module("hpckpt.dist.save")  # the module (hpckpt.dist.save is also the function)
+    flat, paths = flatten(state, frameworks.is_any_tensor)
+    fw = frameworks.of_state(flat)
 
     out = {"clone": [], "describe_staged": [], "describe_unstaged": []}
     for _ in range(n):
@@ -233,7 +250,8 @@ def async_parts(state: dict, n: int = 3) -> dict:
             if key == "clone":
                 kept = [t.clone() for t in local_tensors(state)]
             else:
-                kept = hsave._describe(state, rank(), stage=key == "describe_staged")
+                kept = hsave._describe(flat, paths, fw, rank(), rank(), stage=key == "describe_staged",
+                                       fmt=FORMATS["hyperparallel"])
             mine = time.perf_counter() - t0
             del kept
             out[key].append(max(gather(mine)))
@@ -400,16 +418,10 @@ def run_load(args) -> None:
         for name, source, loader in order:
             src = work / source
             state = build_state(args.size_gib, mesh, [Shard(0)], empty=True)
-            if rank() == 0:
-                evict(src)
-            dist.barrier()
-            before = proc_io()
             if loader == "hp":
-                res, s = timed(lambda: hdist.load(state, src))
+                res, s, delta = cold_load(src, lambda: hdist.load(state, src))
             else:
-                res, s = timed(lambda: dcp.load(state, checkpoint_id=str(src)))
-            after = proc_io()
-            delta = {k: after[k] - before[k] for k in ("rchar", "read_bytes", "syscr")}
+                res, s, delta = cold_load(src, lambda: dcp.load(state, checkpoint_id=str(src)))
             mine = {"io": delta}
             if loader == "hp":
                 mine.update(bytes_read=res.bytes_read, bytes_broadcast=res.bytes_broadcast,
@@ -438,7 +450,8 @@ def run_load(args) -> None:
     dist.barrier()
 
 
-def main() -> None:
+def main(save=None, load=None) -> None:
+    """Parse the job's options and run the save or load half (`save`/`load`: another bench's)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["save", "load"])
     parser.add_argument("--size-gib", type=float, required=True)
@@ -450,9 +463,10 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        (run_save if args.mode == "save" else run_load)(args)
+        ((save or run_save) if args.mode == "save" else (load or run_load))(args)
     finally:
         dist.destroy_process_group()
+        time.sleep(0.05)  # torch's exit abort: README, "Clean exits"
 
 
 if __name__ == "__main__":

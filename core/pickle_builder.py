@@ -8,6 +8,7 @@ torch. Only opcodes torch's weights_only unpickler implements are used.
 
 from __future__ import annotations
 
+import io
 import math
 import pickle
 import struct
@@ -206,6 +207,16 @@ class PickleBuilder:
     def _none(self, _value: None) -> None:
         self.body += pickle.NONE
 
+    def _bytes_io(self, value: io.BytesIO) -> None:
+        """An `io.BytesIO`, as torch.save pickles one: `BytesIO.__new__`, then its state (content,
+        position, no dict). Not for `weights_only=True` (torch DCP loads its values with
+        `weights_only=False`; hpckpt's unpickler reads the content as bytes)."""
+        self.global_("_io", "BytesIO")
+        self.body += pickle.EMPTY_TUPLE + pickle.NEWOBJ
+        self._bytes(value.getvalue())
+        self.integer(value.tell())
+        self.body += pickle.NONE + pickle.TUPLE3 + pickle.BUILD
+
     def _dtype(self, value: DType) -> None:
         """A torch dtype as a value (`torch.float32`), as torch pickles it."""
         if not value.in_torch:
@@ -269,7 +280,7 @@ def standalone_pickle(value: Any, where: str = "value") -> bytes:
 _SCALARS = {
     type(None): PickleBuilder._none, bool: PickleBuilder._bool, int: PickleBuilder.integer,
     float: PickleBuilder._float, complex: PickleBuilder._complex, str: PickleBuilder.string,
-    bytes: PickleBuilder._bytes, bytearray: PickleBuilder._bytearray,
+    bytes: PickleBuilder._bytes, bytearray: PickleBuilder._bytearray, io.BytesIO: PickleBuilder._bytes_io,
     DType: PickleBuilder._dtype, TorchDevice: PickleBuilder._device,
 }
 _CONTAINERS = {

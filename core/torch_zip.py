@@ -25,7 +25,7 @@ from hpckpt.core.errors import CorruptDataError, HpckptError
 from hpckpt.core import input_files
 from hpckpt.core.read import open_data_file
 from hpckpt.core.torch_globals import Storage, StorageType, record_global
-from hpckpt.core.torch_records import BytesIOState, TensorRecord, without_bytes_io
+from hpckpt.core.torch_records import TensorRecord
 from hpckpt.core.unpickle import Resolver, SafeUnpickler
 
 __all__ = ["ZIP_MAGIC", "TensorRecord", "is_zip_record", "load_record"]
@@ -184,12 +184,6 @@ class _RecordUnpickler(SafeUnpickler):
         super().__init__(io.BytesIO(archive.read("data.pkl")), resolver=resolver)
         self._archive = archive
         self._storages: dict[str, Storage] = {}
-        self.saw_bytes_io = False
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = super().find_class(module, name)
-        self.saw_bytes_io |= found is BytesIOState
-        return found
 
     def persistent_load(self, pid: Any) -> Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
@@ -219,9 +213,7 @@ _PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyEr
 def _unpickle(archive: _Archive, resolver: Resolver) -> Any:
     """Unpickle data.pkl; every failure becomes a typed error naming the record."""
     try:
-        unpickler = _RecordUnpickler(archive, resolver)
-        tree = unpickler.load()
-        return without_bytes_io(tree) if unpickler.saw_bytes_io else tree
+        return _RecordUnpickler(archive, resolver).load()  # (an io.BytesIO read as its bytes)
     except HpckptError as exc:
         if not exc.message.startswith(archive.where):
             exc.message = f"{archive.where}: {exc.message}"

@@ -36,7 +36,7 @@ from hpckpt.core.pickle_budget import (Allocations, allocations, charge, check_v
                                        over_budget, register_leaf, run_charging)
 from hpckpt.core.metadata import HP_CLASSES
 from hpckpt.core.torch_dcp_metadata import TORCH_DCP_CLASSES
-from hpckpt.core.torch_records import TorchDevice
+from hpckpt.core.torch_records import BytesIOState, TorchDevice, without_bytes_io
 
 Resolver = Callable[[str, str], Any]
 
@@ -280,6 +280,8 @@ _SAFE_GLOBALS: dict[tuple[str, str], Any] = {
     ("builtins", "dict"): _DICT,
     ("builtins", "object"): object,
     ("_codecs", "encode"): _encode,
+    ("_io", "BytesIO"): BytesIOState,  # read as its bytes (`torch_records.without_bytes_io`)
+    ("io", "BytesIO"): BytesIOState,
     ("collections", "OrderedDict"): _ORDERED_DICT,
     ("datetime", "datetime"): datetime.datetime,
     ("datetime", "date"): datetime.date,
@@ -529,6 +531,7 @@ class SafeUnpickler(pickle.Unpickler):
         self._resolver = resolver
         self._kind = kind
         self._nbytes = _stream_size(file)
+        self.saw_bytes_io = False
 
     def load(self) -> Any:
         _scan(self._file, self._nbytes)
@@ -541,7 +544,7 @@ class SafeUnpickler(pickle.Unpickler):
                 result = plain_arrays(result)
             except RecursionError:  # (a value is walked above: only metadata nests this deep)
                 raise UnsafePickleError("refusing numpy arrays in metadata nested too deep to walk") from None
-        return result
+        return without_bytes_io(result) if self.saw_bytes_io else result
 
     def find_class(self, module: str, name: str) -> Any:
         # Protocol 2 pickles (torch.save writes them) use Python 2 names such as
@@ -551,7 +554,9 @@ class SafeUnpickler(pickle.Unpickler):
             module, name = _compat_pickle.NAME_MAPPING[(module, name)]
         else:
             module = _compat_pickle.IMPORT_MAPPING.get(module, module)
-        return self._resolver(module, name)
+        found = self._resolver(module, name)
+        self.saw_bytes_io |= found is BytesIOState
+        return found
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafePickleError(f"refusing persistent id {type(pid).__name__} outside a torch.save archive")

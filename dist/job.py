@@ -44,14 +44,18 @@ def _environment_rank() -> tuple[int, int]:
     return int(env.get("RANK_ID", "0")), int(env.get("RANK_SIZE", "1"))
 
 
-def this_job(framework: ModuleType, process_group: Any = None, *, need_collectives: bool) -> Job:
+def this_job(framework: ModuleType, process_group: Any = None, *, need_collectives: bool,
+             no_dist: bool = False) -> Job:
     """This process's place in the job: the framework's process group (given, or the world), else
-    the launcher's environment (what storage coordination needs: no group at all).
+    the launcher's environment (what storage coordination needs: no group at all); with
+    `no_dist`, rank 0 of a job of one, whatever the group (torch DCP's `no_dist=True`).
 
     Raises:
         ValueError: several ranks and collectives wanted, but the framework's communication is
             not initialised.
     """
+    if no_dist:
+        return Job(0, 1, None, framework)
     comm = framework.comm_of(process_group)
     if comm is not None:
         return Job(comm.rank, comm.world_size, comm, framework)

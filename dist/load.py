@@ -10,6 +10,7 @@ once: `LoadResult.read_amplification` is 1.0 for row-sharded targets.
 
 from __future__ import annotations
 
+import io
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -23,10 +24,12 @@ from hpckpt.core.errors import EntryMismatchError
 from hpckpt.core.lock import reading
 from hpckpt.core.read import OpenFiles, read_box
 from hpckpt.dist import frameworks
+from hpckpt.dist.call_forms import checkpoint_path, refuse_torch_only
 from hpckpt.dist.flatten import flatten, set_path
 from hpckpt.dist.job import this_job
 from hpckpt.dist.results import LoadResult
 from hpckpt.dist.shards import shards_of
+from hpckpt.dist.stateful import resolve
 
 BATCH_BYTES = 64 * 1024 * 1024  # one broadcast carries boxes up to this many bytes (one box may be larger)
 TILE_BYTES = 64 * 1024 * 1024  # the buffer of a box read for a conversion or an accelerator
@@ -71,23 +74,34 @@ def _as_bytes(t: Any, fw) -> np.ndarray:
     return flat.view(np.uint8)
 
 
-def load(state_dict: Any, checkpoint_id: str | Path, *, process_group: Any = None, broadcast_shared: bool = True,
-         strict: bool = True, progress: Any = None) -> LoadResult:
+def load(state_dict: Any, checkpoint_id: str | Path | None = None, *, process_group: Any = None,
+         broadcast_shared: bool = True, strict: bool = True, progress: Any = None, no_dist: bool = False,
+         storage_reader: Any = None, planner: Any = None) -> LoadResult:
     """Fill the tensors of `state_dict` (DTensors, plain tensors, tensors with `chunk_info`, in
     nested dicts and lists) in place from `checkpoint_id`, and replace its non-tensor values.
 
+    A Stateful object in it (anything with `state_dict()` and `load_state_dict()`) is loaded as
+    torch DCP loads one: its `state_dict()` gives the targets, they are filled in place (values
+    replaced in that tree), then its `load_state_dict()` is called with the tree; the object
+    itself stays in `state_dict`. An `io.BytesIO` target gets an `io.BytesIO` of the saved bytes.
     Any format hpckpt reads and any saved layout and world size; dtypes are converted on the
     copy where they differ (reported in `converted`). Every rank calls it. `progress`: an object
     with `start(total_bytes)` and `advance(n)`, told about this rank's boxes as they are filled.
+    `no_dist`: this process loads alone, whatever the process group. `storage_reader`: hpckpt's
+    own HpckptReader gives the path; torch's other readers and a `planner` are refused with a
+    TypeError saying what to use instead.
 
     Raises:
         EntryMismatchError: an entry the state dict has is missing from the checkpoint (`strict`),
             or has another global shape.
     """
+    refuse_torch_only("load", storage_reader=storage_reader, planner=planner)
+    checkpoint_id = checkpoint_path("load", checkpoint_id, storage_reader)
     started = time.perf_counter()
-    flat, paths = flatten(state_dict, frameworks.is_any_tensor)
+    resolved = resolve(state_dict, frameworks.is_any_tensor)
+    flat, paths = flatten(resolved.view, frameworks.is_any_tensor)
     fw = frameworks.of_state(flat)
-    job = this_job(fw, process_group, need_collectives=True)
+    job = this_job(fw, process_group, need_collectives=True, no_dist=no_dist)
     me = job.global_rank(job.rank)
     path = Path(checkpoint_id)
     with reading(path):
@@ -137,9 +151,13 @@ def load(state_dict: Any, checkpoint_id: str | Path, *, process_group: Any = Non
         if progress is not None and pending:
             progress.advance(pending)
         for fqn in values:
-            set_path(state_dict, paths[fqn], index.decode_value(fqn))
+            value = index.decode_value(fqn)
+            if isinstance(flat[fqn], io.BytesIO) and isinstance(value, (bytes, bytearray)):
+                value = io.BytesIO(value)  # hpckpt's readers give a saved BytesIO's content
+            set_path(resolved.view if resolved.owner(paths[fqn]) else state_dict, paths[fqn], value)
     job_read = bytes_read if job.world_size == 1 else sum(job.collectives().all_gather("load-read", bytes_read))
     job_wanted = sum({(f, tuple(o), tuple(z)): n for boxes in everyone for f, o, z, n in boxes}.values())
+    resolved.restore()
     return LoadResult(path, job.rank, job.world_size, index.format, len({t.fqn for t in targets}), len(values),
                       bytes_read, received, job_read, job_wanted, (job_read / job_wanted) if job_wanted else 1.0,
                       tuple(missing), unused, tuple(converted), time.perf_counter() - started)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,12 @@ class LoadResult:
 
 @dataclass
 class AsyncSaveHandle:
-    """A save persisting in the background: `result(timeout)` waits and returns its SaveResult
-    or raises its error (and then no checkpoint was committed); `done()` does not wait."""
+    """A save persisting in the background, used as torch's `async_save` future is:
+    `result(timeout)` waits and returns its SaveResult or raises its error (and then no
+    checkpoint was committed); `done()` and `running()` do not wait; `exception(timeout)`
+    waits and returns the error or None; `add_done_callback(fn)` calls `fn(handle)` once it is
+    done. A save cannot be cancelled once begun (`cancel()` returns False, as for a running
+    future)."""
 
     _future: Future = field(repr=False)
     blocked: float = 0.0
@@ -74,5 +79,20 @@ class AsyncSaveHandle:
     def done(self) -> bool:
         return self._future.done()
 
+    def running(self) -> bool:
+        return not self._future.done()
+
+    def cancel(self) -> bool:
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
     def result(self, timeout: float | None = None) -> SaveResult:
         return self._future.result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._future.exception(timeout)
+
+    def add_done_callback(self, fn: Callable[[AsyncSaveHandle], Any]) -> None:
+        self._future.add_done_callback(lambda _future: fn(self))

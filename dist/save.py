@@ -34,9 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from hpckpt.converters import index_cache
-from hpckpt.converters.base import WriterOptions
-from hpckpt.converters.hyperparallel.reader import HyperParallelReader
-from hpckpt.converters.hyperparallel.writer import HyperParallelWriter, tensor_file, value_payload, values_file
+from hpckpt.converters.hyperparallel.writer import tensor_file, values_file
 from hpckpt.core.accounting import check_written
 from hpckpt.core import manifest
 from hpckpt.core.commit import Staging, shared_staging
@@ -47,7 +45,6 @@ from hpckpt.core.dtypes import dtype as parse_dtype
 from hpckpt.core.memory_source import MemoryTensor, memory_index
 from hpckpt.core.plan import PlannedValue, plan_as_given
 from hpckpt.core.output import Finished
-from hpckpt.core.unpickle import loads
 from hpckpt.core.write import WriteSettings, fill, lay_out
 from hpckpt.dist.coordination import (
     DEFAULT_TIMEOUT,
@@ -59,9 +56,12 @@ from hpckpt.dist.coordination import (
     wait_for_start,
     write_json,
 )
-from hpckpt.dist import frameworks
+from hpckpt.dist import frameworks, manifest_parts
+from hpckpt.dist.call_forms import checkpoint_path, coordination_of, format_of, refuse_torch_only
 from hpckpt.dist.flatten import flatten
+from hpckpt.dist.stateful import is_stateful, resolve
 from hpckpt.dist.job import Job, job_identity, this_job
+from hpckpt.dist.output_formats import OutputFormat, output_format
 from hpckpt.dist.results import AsyncSaveHandle, SaveResult
 from hpckpt.dist.shards import shards_of
 
@@ -92,9 +92,10 @@ class _Local:
     paths: dict[str, tuple]
 
 
-def _describe(flat: dict, paths: dict, fw, rank: int, global_rank: int, *, stage: bool) -> _Local:
-    """Find each tensor's boxes, pickle each value (and prove hpckpt's safe unpickler reads it
-    back). `stage`: copy every shard (async_save)."""
+def _describe(flat: dict, paths: dict, fw, rank: int, global_rank: int, *, stage: bool, fmt: OutputFormat) -> _Local:
+    """Find each tensor's boxes, make each value's payload in the output format (proving, for
+    HyperParallel, that hpckpt's safe unpickler reads it back). `stage`: copy every shard
+    (async_save)."""
     rows, tensors, payloads, values = [], {}, {}, []
     for fqn, obj in flat.items():
         if frameworks.is_any_tensor(obj):
@@ -107,12 +108,15 @@ def _describe(flat: dict, paths: dict, fw, rank: int, global_rank: int, *, stage
                 tensors[fqn] = MemoryTensor(shards.dtype, shards.shape, pieces)
         else:
             try:
-                payload = value_payload(obj, fqn)
-                loads(payload, what=f"value {fqn}")
-            except (HpckptError, pickle.PicklingError, AttributeError, TypeError) as exc:
+                payload = fmt.payload(obj, fqn)
+            except (HpckptError, pickle.PicklingError, AttributeError, TypeError, ValueError) as exc:
+                if is_stateful(obj):
+                    raise UnsafePickleError(
+                        f"{fqn}: a {type(obj).__name__} (a Stateful object) inside another Stateful's state_dict() "
+                        "cannot be saved", hint="return its state_dict() there instead, or put it at the top "
+                        "of the state dict") from None
                 raise UnsafePickleError(
-                    f"{fqn}: a {type(obj).__name__} value cannot be saved: hpckpt's safe unpickler would not read "
-                    f"it back ({_error_text(exc)})",
+                    f"{fqn}: a {type(obj).__name__} value cannot be saved: {fmt.cannot} ({_error_text(exc)})",
                     hint="save plain Python values (numbers, strings, lists, dicts, tuples) or tensors") from None
             payloads[fqn] = payload
             values.append(LocalValue(fqn, len(payload), hashlib.sha256(payload).hexdigest()))
@@ -148,9 +152,10 @@ class _Save:
     """One save, from planning to commit, on one rank."""
 
     def __init__(self, state_dict, checkpoint_id, *, process_group, coordinator, coordination, dedup, plan_cache,
-                 timeout, asynchronous, progress=None):
+                 timeout, asynchronous, progress=None, no_dist=False, format="hyperparallel"):
         if coordination not in COORDINATIONS:
             raise ValueError(f"coordination must be one of {', '.join(COORDINATIONS)}, not {coordination!r}")
+        self.format = output_format(format, coordination)
         if dedup not in DEDUP_MODES:
             raise ValueError(f"dedup must be one of {', '.join(DEDUP_MODES)}, not {dedup!r}")
         self.started = time.perf_counter()
@@ -161,11 +166,12 @@ class _Save:
         self.local_error: BaseException | None = None
         self.local: _Local | None = None
         try:
-            flat, paths = flatten(state_dict, frameworks.is_any_tensor)
+            flat, paths = flatten(resolve(state_dict, frameworks.is_any_tensor).view, frameworks.is_any_tensor)
             self.framework = frameworks.of_state(flat)
         except Exception as exc:
             self.local_error, flat, paths, self.framework = exc, {}, {}, frameworks.of_state({})
-        self.job = this_job(self.framework, process_group, need_collectives=coordination == "collectives")
+        self.job = this_job(self.framework, process_group, need_collectives=coordination == "collectives",
+                            no_dist=no_dist)
         if not 0 <= coordinator < self.job.world_size:
             raise ValueError(f"coordinator {coordinator} is not a rank of this job of {self.job.world_size}")
         self.coordinator = coordinator
@@ -182,7 +188,7 @@ class _Save:
         try:
             if self.local_error is None:
                 self.local = _describe(flat, paths, self.framework, self.job.rank,
-                                       self.job.global_rank(self.job.rank), stage=asynchronous)
+                                       self.job.global_rank(self.job.rank), stage=asynchronous, fmt=self.format)
         except Exception as exc:  # reported to every rank in the first exchange
             self.local_error = exc
         self.cache_state = "off"
@@ -307,7 +313,7 @@ class _Save:
         through the writer, engine and accounting every command uses (`core.write`); returns them,
         their bytes and the writer's metadata of `plan`."""
         own = {v.fqn: self.local.payloads[v.fqn] for v in plan.values if v.rank in plan.producing}
-        writer = HyperParallelWriter(WriterOptions(framework=self.framework.NAME), value_lengths=lengths, payloads=own)
+        writer = self.format.writer(self.framework.NAME, lengths, own)
         layout = lay_out(plan, {}, writer)
         source = memory_index(self.local.tensors, framework=self.framework.NAME)
         if self.progress is not None:
@@ -337,7 +343,7 @@ class _Save:
         try:
             plan = replace(gp.plan([rank]), producing=(rank,))
             mine["files"], mine["bytes"], _finished = self._write_own(plan, self.staging_path, gp.value_lengths)
-            mine["digests"] = _manifest_part(self.staging_path, rank, self.digests)
+            mine["digests"] = manifest_parts.write_part(self.staging_path, rank, self.digests)
         except Exception as exc:
             mine["error"], own_error = _error_text(exc), exc
         writing = time.perf_counter() - t0
@@ -372,8 +378,7 @@ class _Save:
         """The coordinator: every data file there with the size its rank reported, protocol and
         stale files gone, `.metadata` last, one rename."""
         full = self.global_plan.plan()
-        writer = HyperParallelWriter(WriterOptions(framework=self.framework.NAME),
-                                     value_lengths=self.global_plan.value_lengths)
+        writer = self.format.writer(self.framework.NAME, self.global_plan.value_lengths, None)
         layout = lay_out(replace(full, producing=()), {}, writer)
         expected = set(writer.expected_files(full))
         reported = {name: size for a in answers for name, size in a["files"]}
@@ -383,36 +388,21 @@ class _Save:
             actual = os.stat(staging / name).st_size if (staging / name).exists() else None
             if size is None or actual != size:
                 raise SaveError(f"{name}: expected in the staging directory with {size} bytes, found {actual}")
-        parts = {_part_name(r) for r in range(len(answers))}
+        parts = {manifest_parts.part_name(r) for r in range(len(answers))}
         for name in os.listdir(staging):
             if name not in expected and name not in parts:
                 (staging / name).unlink()  # exchange files, and anything a killed save left
         metadata = writer.finish({}).metadata
         self.staging.write_metadata(metadata)
-        written = HyperParallelReader().read_index(staging)  # as a loader will read it
+        written = self.format.reader().read_index(staging)  # as a loader will read it
         check_written(full, layout, written)
         self._write_manifest(answers, metadata, written)
         self.staging.commit()
 
     def _write_manifest(self, answers: list[dict], metadata, written) -> None:
-        """The manifest (`core.manifest`): the header from the ranks' reports and the staged
-        output's listing, then each rank's box lines as it wrote them (no rank's data is read)."""
-        staging = self.staging.path
         files = [tuple(d) for a in answers for d in a.get("digests") or ()]
-        doc = manifest.header(format_name="hyperparallel", world_size=self.job.world_size, files=files,
-                              metadata=metadata, index=index_cache.snapshot(written))
-        tmp = staging / f".tmp-{manifest.NAME}"
-        with open(tmp, "wb") as out:
-            out.write(manifest.encode(doc, ()))
-            for rank in range(len(answers)):
-                part = staging / _part_name(rank)
-                if part.exists():
-                    with open(part, "rb") as f:
-                        shutil.copyfileobj(f, out, 8 << 20)
-                    part.unlink()
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, staging / manifest.NAME)
+        manifest_parts.write_manifest(self.staging.path, format_name=self.format.name, world_size=self.job.world_size,
+                                      files=files, metadata=metadata, written=written)
 
     def _persist_rank_local(self) -> SaveResult:
         """`coordination="none"`: this rank's data files and `{rank}.metadata` (last), each
@@ -439,18 +429,6 @@ class _Save:
         return SaveResult(self.path, rank, self.job.world_size, rank, "none", "off",
                           tuple(n for n, _ in files) + (f"{rank}.metadata",), nbytes, nbytes, True, self.planning,
                           time.perf_counter() - t0, time.perf_counter() - self.started)
-
-
-def _part_name(rank: int) -> str:
-    return f".hpckpt-manifest-part-{rank}.jsonl"
-
-
-def _manifest_part(directory: Path, rank: int, digests) -> list[list]:
-    """Write this rank's box lines of the manifest beside its files (the coordinator joins them);
-    return what its report says of each file: name, size, digest and number of boxes."""
-    ordered = sorted(digests, key=lambda f: f.name)
-    write_file(directory / _part_name(rank), b"".join(manifest.file_line(f) for f in ordered), False)
-    return [list(s) for s in manifest.summaries(digests)]
 
 
 def _forget_rank_local(path: Path, rank: int, world_size: int) -> None:
@@ -480,19 +458,29 @@ def _wait_in_flight() -> None:
             pass  # its own caller sees its error
 
 
-def save(state_dict: Any, checkpoint_id: str | os.PathLike, *, process_group: Any = None, coordinator: int = 0,
-         coordination: str = "collectives", dedup: str = "balanced", plan_cache: bool = True,
-         timeout: float | None = None, progress: Any = None) -> SaveResult:
-    """Save `state_dict` (every rank calls this with its own shards) as a HyperParallel
-    checkpoint at `checkpoint_id`, replacing a checkpoint there.
+def save(state_dict: Any, checkpoint_id: str | os.PathLike | None = None, *, process_group: Any = None,
+         coordinator: int = 0, coordination: str = "collectives", dedup: str = "balanced", plan_cache: bool = True,
+         timeout: float | None = None, progress: Any = None, format: str | None = None, no_dist: bool = False,
+         use_collectives: bool = True, storage_writer: Any = None, planner: Any = None) -> SaveResult:
+    """Save `state_dict` (every rank calls this with its own shards) as a checkpoint at
+    `checkpoint_id`, replacing a checkpoint there: HyperParallel DCP (`format` "hyperparallel",
+    the default), or PyTorch DCP (`format="torch-dcp"`, what torch's own `dcp.load` reads; the
+    default when `storage_writer` is hpckpt's HpckptWriter), planned, de-duplicated, committed
+    and with a manifest alike.
 
-    `coordination`: "collectives" (object gathers over `process_group`, default the world),
-    "storage" (no collectives: JSON files in the staging directory; every wait bounded by
-    `timeout` seconds, default 600) or "none" (each rank writes `{rank}.metadata` of its own
-    items). `dedup`: who stores a box several ranks hold: "balanced" (least bytes, as
-    HyperParallel), "lowest-rank" or "none" (every holder). `plan_cache`: reuse the global plan
-    when no rank's names, dtypes, shapes, layouts or values changed. `progress`: an object with
-    `start(total_bytes)` and `advance(n)` told about this rank's bytes as they are written.
+    `state_dict` holds tensors, values, nested dicts and lists, and Stateful objects (anything
+    with `state_dict()` and `load_state_dict()`: a module, an optimizer, a recipe's `AppState`),
+    saved as what their `state_dict()` returns. `coordination`: "collectives" (exchanges over
+    `process_group`, default the world), "storage" (no collectives: JSON files in the staging
+    directory; every wait bounded by `timeout` seconds, default 600) or "none" (each rank writes
+    `{rank}.metadata` of its own items; torch's `use_collectives=False`). `dedup`: who stores a
+    box several ranks hold: "balanced" (least bytes, as HyperParallel), "lowest-rank" or "none"
+    (every holder). `plan_cache`: reuse the global plan when no rank's names, dtypes, shapes,
+    layouts or values changed. `progress`: an object with `start(total_bytes)` and `advance(n)`
+    told about this rank's bytes as they are written. `no_dist`: this process saves alone, as
+    rank 0 of 1, whatever the process group (torch's meaning). `storage_writer`: hpckpt's own
+    HpckptWriter gives the path; torch's other writers and a `planner` are refused with a
+    TypeError saying what to use instead.
 
     Raises:
         SaveError: some rank failed (every rank raises it; nothing was committed).
@@ -500,10 +488,19 @@ def save(state_dict: Any, checkpoint_id: str | os.PathLike, *, process_group: An
             process group failed (a rank died; collectives).
         UnsafePickleError: a value hpckpt's safe unpickler would not read back (before any byte is written).
     """
-    job = _planned(state_dict, checkpoint_id, dict(process_group=process_group, coordinator=coordinator,
-                   coordination=coordination, dedup=dedup, plan_cache=plan_cache, timeout=timeout,
-                   progress=progress), asynchronous=False)
+    refuse_torch_only("save", storage_writer=storage_writer, planner=planner)
+    options = _options(process_group, coordinator, coordination, use_collectives, dedup, plan_cache, timeout,
+                       progress, format, storage_writer, no_dist)
+    job = _planned(state_dict, checkpoint_path("save", checkpoint_id, storage_writer), options, asynchronous=False)
     return job.persist()
+
+
+def _options(process_group, coordinator, coordination, use_collectives, dedup, plan_cache, timeout, progress,
+             format, storage_writer, no_dist) -> dict:
+    """`_Save`'s options from `save`'s and `async_save`'s parameters (torch's forms mapped)."""
+    return dict(process_group=process_group, coordinator=coordinator,
+                coordination=coordination_of(coordination, use_collectives), dedup=dedup, plan_cache=plan_cache,
+                timeout=timeout, progress=progress, no_dist=no_dist, format=format_of(format, storage_writer))
 
 
 def _planned(state_dict: Any, checkpoint_id, options: dict, *, asynchronous: bool,
@@ -525,23 +522,32 @@ def _plan_releasing(job: _Save) -> None:
         raise
 
 
-def async_save(state_dict: Any, checkpoint_id: str | os.PathLike, *, process_group: Any = None, coordinator: int = 0,
-               coordination: str = "collectives", dedup: str = "balanced", plan_cache: bool = True,
-               timeout: float | None = None, progress: Any = None) -> AsyncSaveHandle:
+def async_save(state_dict: Any, checkpoint_id: str | os.PathLike | None = None, *, process_group: Any = None,
+               coordinator: int = 0, coordination: str = "collectives", dedup: str = "balanced",
+               plan_cache: bool = True, timeout: float | None = None, progress: Any = None,
+               format: str | None = None, no_dist: bool = False, use_collectives: bool = True,
+               storage_writer: Any = None, planner: Any = None, async_checkpointer_type: Any = None,
+               async_stager: Any = None) -> AsyncSaveHandle:
     """`save`, returning once this rank's shards are copied (the caller may change its tensors
-    then) and persisting on a background thread; `result(timeout)` returns its SaveResult or
-    raises its error (then nothing was committed).
+    then) and persisting on a background thread. The handle behaves as torch's future:
+    `result(timeout)` returns the SaveResult or raises the save's error (then nothing was
+    committed), `done()`, `exception()`, `add_done_callback()`.
 
     A second call while one is in flight waits for the first to finish (saves of one process
     persist one at a time, in order). From the copy on, the save exchanges only files, never
-    collectives, so the training job's process group is free.
+    collectives, so the training job's process group is free. torch's `async_checkpointer_type`
+    is taken only as THREAD (what this is); `async_stager`, a `planner` and storage writers other
+    than hpckpt's HpckptWriter are refused with a TypeError saying what to use instead.
     """
+    refuse_torch_only("async_save", storage_writer=storage_writer, planner=planner, async_stager=async_stager,
+                      async_checkpointer_type=async_checkpointer_type)
+    checkpoint_id = checkpoint_path("async_save", checkpoint_id, storage_writer)
     started = time.perf_counter()
-    options = dict(process_group=process_group, coordinator=coordinator, coordination=coordination, dedup=dedup,
-                   plan_cache=plan_cache, timeout=timeout, progress=progress)
+    options = _options(process_group, coordinator, coordination, use_collectives, dedup, plan_cache, timeout,
+                       progress, format, storage_writer, no_dist)
     _wait_in_flight()
     job = _Save(state_dict, checkpoint_id, asynchronous=True, **options)
-    if job.exchange != "storage" or coordination == "storage":  # collectives in the caller, or one rank
+    if job.exchange != "storage" or options["coordination"] == "storage":  # collectives in the caller, or one rank
         job = _planned(state_dict, checkpoint_id, options, asynchronous=True, described=job)
     future: Future = Future()
     blocked = time.perf_counter() - started

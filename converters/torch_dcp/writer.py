@@ -1,8 +1,9 @@
 """PyTorch DCP laid out as torch 2.13 writes it: `__{rank}_0.distcp` files and `.metadata`.
 
 A `.distcp` file is a concatenation of torch.save archives, one per stored item (a tensor chunk,
-or a non-tensor value), each what `torch.save(obj)` writes; values go into rank 0's file, where
-PyTorch's coordinator writes them. The plan's replicas are stored once, as HyperParallel and
+or a non-tensor value), each what `torch.save(obj)` writes; a value goes into the file of the
+rank the plan gives it (rank 0's in a conversion; in a running job, that of a rank holding it,
+as each PyTorch rank writes its own). The plan's replicas are stored once, as HyperParallel and
 PyTorch's de-dup do. Every archive's position follows from the plan, so `.metadata` (which gives
 each item's byte range) is known for every rank, also in a fan-out run that writes only some.
 The world size and layout written are in the manifest `core.write` adds.
@@ -15,7 +16,7 @@ from typing import Any
 
 from hpckpt.converters.base import WriterOptions
 from hpckpt.converters.torch_dcp.metadata_pickle import StoredItem, dumps_torch_metadata
-from hpckpt.core.pickle_builder import loadable_values
+from hpckpt.core.pickle_builder import loadable_values, torch_loadable
 from hpckpt.core.output import Extent, FileLayout, Finished, OutputLayout, Placement
 from hpckpt.core.plan import Plan
 from hpckpt.core.torch_archive import TorchArchive
@@ -27,23 +28,53 @@ def distcp_name(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
+def value_archive(fqn: str, value: Any) -> bytes:
+    """One value's whole record, as `torch.save(value)` writes it (what a running job's rank
+    stores for its values; `TorchDcpWriter(payloads=...)`).
+
+    Raises:
+        TypeError: a torch.save record written without torch cannot hold the value.
+    """
+    data, _note, why = torch_loadable(value, fqn)
+    if why is not None:
+        raise TypeError(why)
+    archive = TorchArchive("archive", root="single")
+    archive.add_value(fqn, data)
+    archive.layout(0)
+    out = bytearray(archive.size)
+    for at, piece in (*archive.fixed, *archive.finish({})):
+        out[at:at + len(piece)] = piece
+    return bytes(out)
+
+
 class TorchDcpWriter:
     """`FormatWriter` of PyTorch DCP (call order in `converters.base`)."""
 
-    def __init__(self, options: WriterOptions):
+    def __init__(self, options: WriterOptions, value_lengths: Mapping[str, int] | None = None,
+                 payloads: Mapping[str, bytes] | None = None):
+        """`payloads`: values this process made records of already (`value_archive`);
+        `value_lengths`: the record sizes of values other processes write (a running job's ranks
+        each write their own, into their own file). `layout` is then given only the others."""
         self._plan: Plan | None = None
         self._items: list[StoredItem] = []
         self._values: list[str] = []  # the values the archives hold, in plan order
         self._archives: dict[str, list[tuple[str, TorchArchive]]] = {}  # file -> (checksum id, archive)
+        self._given: dict[str, bytes] = dict(payloads or {})
+        self._lengths: dict[str, int] = dict(value_lengths or {})
 
     def _ranks(self, plan: Plan) -> list[int]:
-        return sorted(set(plan.by_rank) | ({0} if plan.values else set()))
+        return sorted(set(plan.by_rank) | {v.rank for v in plan.values})
 
     def layout(self, plan: Plan, values: Mapping[str, Any]) -> OutputLayout:
         self._plan, self._items, self._archives = plan, [], {}
         files = []
-        kept, skipped, converted = loadable_values((v.fqn, values[v.fqn]) for v in plan.values)
-        self._values = [fqn for fqn, _ in kept]
+        ready = self._given.keys() | self._lengths.keys()
+        kept, skipped, converted = loadable_values((v.fqn, values[v.fqn]) for v in plan.values if v.fqn not in ready)
+        loadable = dict(kept)
+        self._values = [v.fqn for v in plan.values if v.fqn in ready or v.fqn in loadable]
+        values_of: dict[int, list[str]] = {}
+        for v in plan.values:
+            values_of.setdefault(v.rank, []).append(v.fqn)
         for rank in self._ranks(plan):
             name, position, produce = distcp_name(rank), 0, rank in plan.producing
             fixed, boxes, archives = [], [], []
@@ -59,19 +90,33 @@ class TorchDcpWriter:
                     archives.append((crc_id, archive))
                 self._items.append(StoredItem(tensor.fqn, planned.box.offsets, planned.index, name, position, archive.size))
                 position += archive.size
-            for fqn, data in kept if rank == 0 else ():
-                archive = TorchArchive("archive", root="single")
-                archive.add_value(fqn, data)
-                archive.layout(position)
-                if produce:
-                    fixed += archive.fixed
-                    archives.append(("", archive))
-                self._items.append(StoredItem(fqn, None, None, name, position, archive.size))
-                position += archive.size
+            for fqn in values_of.get(rank, ()):
+                if fqn in self._given or fqn in self._lengths:  # a record made already, here or elsewhere
+                    record = self._given.get(fqn)
+                    size = len(record) if record is not None else self._lengths[fqn]
+                    if produce and record is not None:
+                        fixed.append((position, record))
+                elif fqn in loadable:
+                    archive = TorchArchive("archive", root="single")
+                    archive.add_value(fqn, loadable[fqn])
+                    archive.layout(position)
+                    if produce:
+                        fixed += archive.fixed
+                        archives.append(("", archive))
+                    size = archive.size
+                else:
+                    continue  # skipped, with its reason
+                self._items.append(StoredItem(fqn, None, None, name, position, size))
+                position += size
             if produce:
                 self._archives[name] = archives
                 files.append(FileLayout(name, position, tuple(fixed), tuple(boxes)))
         return OutputLayout(tuple(files), tuple(skipped), tuple(converted))
+
+    def stored_items(self) -> list[StoredItem]:
+        """Where `layout` put each item: file, byte offset and length (what torch's `.metadata`
+        records of it)."""
+        return list(self._items)
 
     def expected_files(self, plan: Plan) -> list[str]:
         return [distcp_name(rank) for rank in self._ranks(plan) if rank in plan.producing]

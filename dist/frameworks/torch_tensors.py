@@ -1,6 +1,6 @@
 """PyTorch for `hpckpt.dist`: DTensor and `chunk_info` shards, host arrays, in-place fills and
-collectives over a torch process group. The only module of hpckpt that imports torch for the
-live library (interface: `hpckpt.dist.frameworks`).
+collectives over a torch process group. With `hpckpt.dist.torch_storage` (hpckpt inside torch
+DCP), the only module of hpckpt that imports torch (interface: `hpckpt.dist.frameworks`).
 
 Every collective here returns only once gloo's worker threads have let go of its tensors
 (`_settle`). A gloo worker drops a finished collective's tensors after it has woken the caller,
