@@ -20,7 +20,7 @@ from hpckpt.api.options import Selection, parse_size
 from hpckpt.api.reports import ChecksumReport, FinalizeReport, InspectReport, Report, VerifyReport, WriteReport
 from hpckpt.api.reshard import finalize, reshard
 from hpckpt.api.verify import verify
-from hpckpt.core.write import Progress, WriteSettings
+from hpckpt.core.io.write import Progress, WriteSettings
 
 __all__ = [
     "inspect", "verify", "checksum", "diff", "DiffReport", "reshard", "finalize", "consolidate", "convert", "ms_torch_target", "rename",

@@ -18,12 +18,14 @@ from typing import Any
 from hpckpt.api.reports import ChecksumReport
 from hpckpt.api.verify import _Progress, _record_findings, checkpoint_path, metadata_names, stored_boxes, workers
 from hpckpt.converters import index_cache, open_index
-from hpckpt.core import digest, input_files, manifest
-from hpckpt.core.durable import fsync_path, write_file
+from hpckpt.core.io import digest
+from hpckpt.core.safety import input_files
+from hpckpt.core.commit import manifest
+from hpckpt.core.commit.durable import fsync_path, write_file
 from hpckpt.core.errors import ERROR_CLASSES, CorruptDataError, DestinationExistsError
-from hpckpt.core.lock import reading
+from hpckpt.core.commit.lock import reading
 from hpckpt.core.paths import resolve_inside
-from hpckpt.core.validate import Finding, exit_code, validate
+from hpckpt.core.safety.validate import Finding, exit_code, validate
 
 LISTED_FORMATS = ("hyperparallel", "torch-dcp")  # their manifest carries the listing `inspect` reads
 

@@ -10,9 +10,9 @@ from hpckpt.api.options import Selection, parse_size
 from hpckpt.api.reports import WriteReport
 from hpckpt.converters import format_named, open_index
 from hpckpt.core.index import CheckpointIndex
-from hpckpt.core.layout import LayoutSpec
-from hpckpt.core.lock import holds_source
-from hpckpt.core.write import WriteSettings
+from hpckpt.core.geometry.layout import LayoutSpec
+from hpckpt.core.commit.lock import holds_source
+from hpckpt.core.io.write import WriteSettings
 
 
 @holds_source

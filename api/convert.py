@@ -19,10 +19,10 @@ from hpckpt.api.reports import WriteReport
 from hpckpt.converters import format_for_extension, format_named, open_index
 from hpckpt.core.errors import UnknownFormatError
 from hpckpt.core.index import CheckpointIndex
-from hpckpt.core.layout import LayoutSpec
-from hpckpt.core.lock import holds_source
+from hpckpt.core.geometry.layout import LayoutSpec
+from hpckpt.core.commit.lock import holds_source
 from hpckpt.core.view import renamed_view
-from hpckpt.core.write import WriteSettings
+from hpckpt.core.io.write import WriteSettings
 
 
 def rename(index: CheckpointIndex, rules: Any, select: Selection):

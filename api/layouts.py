@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from hpckpt.core.index import CheckpointIndex
-from hpckpt.core.layout import LayoutSpec, Mesh, Replicate, Shard, TensorLayout, infer
-from hpckpt.core.layout.spec import PlacementFitError
+from hpckpt.core.geometry.layout import LayoutSpec, Mesh, Replicate, Shard, TensorLayout, infer
+from hpckpt.core.errors import PlacementFitError
 
 
 def _splits(found) -> tuple[Shard, ...]:
@@ -29,7 +29,7 @@ def target_layout(world_size: int | None, split: str, mesh: str | None, placemen
     Raises:
         ValueError: a malformed mesh or placement.
     """
-    from hpckpt.core.layout import parse_mesh, parse_placements
+    from hpckpt.core.geometry.layout import parse_mesh, parse_placements
 
     if world_size is not None:
         return LayoutSpec.for_world_size(world_size, split)
@@ -118,3 +118,39 @@ def check_fit(layout: LayoutSpec | None, index: CheckpointIndex, names: Iterable
         warnings.append(f"layout: placement {where} does not fit {len(m.unfit)} of the {len(m.unfit) + m.fits} "
                         f"tensor(s) it applies to, which are replicated on that mesh dim: {', '.join(m.unfit)}")
     return warnings
+
+
+def check_layout_options(world_size, mesh, placements, rules, layout_files, keep_layout=False) -> None:
+    """Refuse a combination of layout options that names no target or several (before anything
+    is read: a large source takes seconds to open).
+
+    Raises:
+        ValueError: the message names the options to give.
+    """
+    if keep_layout:
+        if placements or rules or layout_files or (world_size is None) == (mesh is None):
+            raise ValueError("--keep-layout goes with exactly one of --world-size or --mesh, and nothing else")
+        return
+    chosen = sum(x is not None and x != [] for x in (world_size, mesh, layout_files))
+    if chosen != 1 and not (rules and chosen == 0):
+        raise ValueError("give exactly one target: --world-size, --mesh (with --placements or "
+                         "--layout-rules), --layout-rules with a mesh inside, or --layout-file")
+    if mesh and rules is None and not placements:
+        raise ValueError("--mesh needs --placements (or --layout-rules)")
+
+
+def layout_spec(src: CheckpointIndex | str | Path, world_size: int | None, split: str, mesh: str | None,
+                placements: str | None, rules: str | Path | None, layout_files: Iterable[str | Path] | None,
+                keep_layout: bool = False) -> LayoutSpec:
+    """The target layout the layout options name (reshard, convert, `run reshard`'s workers);
+    `src` is the source's index or path (read only by --keep-layout).
+
+    Raises:
+        ValueError: the options name no target, several, or a malformed one.
+    """
+    from hpckpt.core.geometry.layout import parse_mesh
+
+    check_layout_options(world_size, mesh, placements, rules, layout_files, keep_layout)
+    if keep_layout:
+        return keep_layout_spec(src, Mesh((world_size,)) if world_size is not None else parse_mesh(mesh))
+    return target_layout(world_size, split, mesh, placements, rules, layout_files)

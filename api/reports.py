@@ -11,8 +11,8 @@ from functools import cached_property
 from typing import Any
 
 from hpckpt import __version__
-from hpckpt.core.plan_stats import RankStats
-from hpckpt.core.validate import Finding, exit_code
+from hpckpt.core.geometry.plan_stats import RankStats
+from hpckpt.core.safety.validate import Finding, exit_code
 
 # 2: `skipped` and `converted` of a write report name the reason of each entry.
 # 3: every document starts with one envelope (`command`, `ok`, `written`, `skipped`, `warnings`),

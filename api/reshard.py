@@ -10,11 +10,11 @@ from hpckpt.api import pipeline
 from hpckpt.api.options import Selection
 from hpckpt.api.reports import FinalizeReport, WriteReport
 from hpckpt.converters import format_named, open_index
-from hpckpt.core import commit
+from hpckpt.core.commit import staging as commit
 from hpckpt.core.index import CheckpointIndex
-from hpckpt.core.layout import LayoutSpec
-from hpckpt.core.lock import holds_source
-from hpckpt.core.write import WriteSettings
+from hpckpt.core.geometry.layout import LayoutSpec
+from hpckpt.core.commit.lock import holds_source
+from hpckpt.core.io.write import WriteSettings
 
 
 @holds_source

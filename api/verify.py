@@ -29,15 +29,17 @@ import numpy as np
 from hpckpt.api.inspect import rank_of
 from hpckpt.api.reports import VerifyReport
 from hpckpt.converters import hpckpt_json, open_index
-from hpckpt.core import digest, input_files, manifest
-from hpckpt.core.box import Box
+from hpckpt.core.io import digest
+from hpckpt.core.safety import input_files
+from hpckpt.core.commit import manifest
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.errors import CorruptDataError, CorruptMetadataError, HpckptError
 from hpckpt.core.index import BufferLocation, CheckpointIndex, Chunk, Location, TensorEntry
-from hpckpt.core.lock import reading
+from hpckpt.core.commit.lock import reading
 from hpckpt.core.paths import resolve_inside
-from hpckpt.core.read import OpenFiles, read_region
-from hpckpt.core.tiles import contiguous_tiles
-from hpckpt.core.validate import Finding, validate
+from hpckpt.core.io.read import OpenFiles, read_region
+from hpckpt.core.geometry.tiles import contiguous_tiles
+from hpckpt.core.safety.validate import Finding, validate
 
 READ_BLOCK = 8 * 1024 * 1024  # bytes of one chunk read (and of the NaN count's temporaries)
 TASK_BYTES = 256 * 1024 * 1024  # chunks of one file read by one task: a large file uses every thread

@@ -26,8 +26,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
-def operations(inputs: Path, out: Path) -> dict[str, list[str]]:
-    return {
+def operations(inputs: Path, out: Path, plan_source: Path | None = None) -> dict[str, list[str]]:
+    ops = {
         "reshard hp 4->8": ["reshard", str(inputs / "hp"), "-o", str(out / "r"), "--world-size", "8"],
         "reshard hp 4->8 --no-fsync": ["reshard", str(inputs / "hp"), "-o", str(out / "r"), "--world-size", "8",
                                        "--no-fsync"],
@@ -37,7 +37,15 @@ def operations(inputs: Path, out: Path) -> dict[str, list[str]]:
                                                  str(out / "x.safetensors")],
         "consolidate torch-dcp -> pt": ["consolidate", str(inputs / "torch-dcp"), "-o", str(out / "x.pt"),
                                         "--format", "pt"],
+        "convert hp -> ckpt": ["convert", str(inputs / "hp"), "-o", str(out / "x.ckpt")],
+        "inspect hp": ["inspect", str(inputs / "hp")],
+        "verify --deep hp": ["verify", str(inputs / "hp"), "--deep"],
+        "verify --deep torch-dcp": ["verify", str(inputs / "torch-dcp"), "--deep"],
     }
+    if plan_source is not None:  # planning at scale (bench_plan.py's sources)
+        ops[f"reshard --plan {plan_source.name} -> 4096"] = ["reshard", str(plan_source), "-o", str(out / "p"),
+                                                            "--world-size", "4096", "--plan"]
+    return ops
 
 
 def snapshot(rev: str, into: Path) -> Path:
@@ -45,7 +53,7 @@ def snapshot(rev: str, into: Path) -> Path:
     package = into / "hpckpt"
     package.mkdir(parents=True)
     if rev == "WORKTREE":
-        for name in ("api", "cli", "core", "converters", "__init__.py", "__main__.py"):
+        for name in ("api", "cli", "core", "converters", "dist", "__init__.py", "__main__.py"):
             src = ROOT / name
             shutil.copytree(src, package / name, ignore=shutil.ignore_patterns("__pycache__")) if src.is_dir() \
                 else shutil.copy(src, package / name)
@@ -63,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=6)
     parser.add_argument("--inputs", type=Path, default=HERE / "out" / "engine" / "ckpt")
     parser.add_argument("--only", help="operations whose name contains this text")
+    parser.add_argument("--plan-source", type=Path, help="a synthetic checkpoint of bench/make_synthetic_hp.py: "
+                        "adds a `reshard --plan` onto 4,096 ranks")
     args = parser.parse_args(argv)
     if not (args.inputs / "hp" / ".metadata").is_file():
         parser.error(f"no inputs in {args.inputs}: run `python bench/bench_engine.py --generate-only` first")
@@ -70,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp)
         sides = {args.a: snapshot(args.a, tmp / "a"), args.b: snapshot(args.b, tmp / "b")}
         out = tmp / "out"
-        ops = {k: v for k, v in operations(args.inputs, out).items() if not args.only or args.only in k}
+        ops = {k: v for k, v in operations(args.inputs, out, args.plan_source).items() if not args.only or args.only in k}
         times: dict[tuple[str, str], list[float]] = {}
         print(f"load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
         for _ in range(args.repeat):

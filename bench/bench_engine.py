@@ -296,7 +296,7 @@ def check_with_hpckpt(path: Path, size: float, values: bool = True) -> list[str]
     import numpy as np
 
     from hpckpt.converters import open_index
-    from hpckpt.core.read import OpenFiles, read_box
+    from hpckpt.core.io.read import OpenFiles, read_box
 
     index = open_index(path, use_cache=False)
     bad = []

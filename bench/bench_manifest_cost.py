@@ -90,8 +90,8 @@ def _timed(fn, data) -> float:
 
 def reshard_once(src: Path, dst: Path, manifest: bool, sync: bool) -> tuple[float, float]:
     from hpckpt import api
-    from hpckpt.core.layout import LayoutSpec
-    from hpckpt.core.write import WriteSettings
+    from hpckpt.core.geometry.layout import LayoutSpec
+    from hpckpt.core.io.write import WriteSettings
 
     shutil.rmtree(dst, ignore_errors=True)
     t, cpu = time.perf_counter(), _cpu()
@@ -112,8 +112,8 @@ def peak_rss(src: Path, dst: Path, manifest: bool) -> float:
 import shutil
 from pathlib import Path
 from hpckpt import api
-from hpckpt.core.layout import LayoutSpec
-from hpckpt.core.write import WriteSettings
+from hpckpt.core.geometry.layout import LayoutSpec
+from hpckpt.core.io.write import WriteSettings
 shutil.rmtree({str(dst)!r}, ignore_errors=True)
 api.reshard(Path({str(src)!r}), Path({str(dst)!r}), LayoutSpec.for_world_size(4),
             settings=WriteSettings(sync=False, manifest={manifest}))

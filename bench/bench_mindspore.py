@@ -142,7 +142,7 @@ def _compare(name: str, got, want, got_dtype: str, want_dtype: str) -> str | Non
 def _read_all(path: Path) -> dict:
     """{name: (array, dtype name)} of every tensor of a file or directory hpckpt reads."""
     from hpckpt.converters import open_index
-    from hpckpt.core.read import OpenFiles, read_box
+    from hpckpt.core.io.read import OpenFiles, read_box
 
     index = open_index(path, use_cache=False)
     out = {}

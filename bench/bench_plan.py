@@ -43,9 +43,9 @@ import gc, json, resource, sys, time
 gc.disable()
 from hpckpt.converters import format_named, open_index
 from hpckpt.converters.base import WriterOptions
-from hpckpt.core.layout import LayoutSpec
-from hpckpt.core.plan import make_plan
-from hpckpt.core.plan_stats import rank_stats
+from hpckpt.core.geometry.layout import LayoutSpec
+from hpckpt.core.geometry.plan import make_plan
+from hpckpt.core.geometry.plan_stats import rank_stats
 rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 t = [time.perf_counter()]
 index = open_index(sys.argv[1]); t.append(time.perf_counter()); m = [rss()]

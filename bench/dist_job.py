@@ -193,7 +193,7 @@ def planning_probes(work: Path, mesh, n: int = 15) -> dict:
     string over gloo (the one exchange of a hit), the coordinator's staging directory alone
     (`core.commit.Staging`: lock, fresh directory, fsyncs), and the planning of re-saves of a
     one-tensor state (the fixed cost, without the state's size)."""
-    from hpckpt.core.commit import Staging
+    from hpckpt.core.commit.staging import Staging
 
     gathers = []
     doc = json.dumps({"error": None, "nonce": "0" * 32, "digest": "0" * 40, "plan": None})

@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import engine_state  # noqa: E402
 
-from hpckpt.core.box import Box  # noqa: E402
-from hpckpt.core.global_plan import LocalPlan, build_global_plan  # noqa: E402
+from hpckpt.core.geometry.box import Box  # noqa: E402
+from hpckpt.core.geometry.global_plan import LocalPlan, build_global_plan  # noqa: E402
 
 
 def tensors_of(n_tensors: int):

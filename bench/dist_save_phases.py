@@ -35,7 +35,7 @@ else:
 
 import hpckpt.dist as hdist  # noqa: E402
 from hpckpt.core.dtypes import dtype  # noqa: E402
-from hpckpt.core.layout import LayoutSpec  # noqa: E402
+from hpckpt.core.geometry.layout import LayoutSpec  # noqa: E402
 from hpckpt.dist.jobs import states  # noqa: E402
 
 comm = Comm()

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from hpckpt.converters.hyperparallel.from_memory import ChunkData, write_checkpoint
-from hpckpt.core.box import Box
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.dtypes import dtype
 
 F32, BF16 = dtype("float32"), dtype("bfloat16")

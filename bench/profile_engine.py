@@ -3,7 +3,7 @@
     python bench/profile_engine.py [--prof FILE] [--top 25] [--threads] -- reshard SRC -o OUT -w 8
 
 cProfile only sees the thread it runs in, and the engine copies files on its thread pool (the only
-one); unless `--threads` is given, `hpckpt.core.engine.ThreadPoolExecutor` is replaced by an
+one); unless `--threads` is given, `hpckpt.core.io.engine.ThreadPoolExecutor` is replaced by an
 executor that runs each task at once in the calling thread, so every copy shows up in the profile
 (same work, serialised: wall time is then the jobs=1 time). Wall time of the pipeline's phases is
 measured by wrapping `open_index`, the plan, the per-rank figures, the engine's reads, files,
@@ -72,7 +72,9 @@ def main() -> int:
     started = time.perf_counter()
     from hpckpt.api import pipeline
     from hpckpt.cli import app
-    from hpckpt.core import commit, engine, write
+    from hpckpt.core.commit import staging as commit
+    from hpckpt.core.io import engine
+    from hpckpt.core.io import write
     import hpckpt.converters as converters
 
     if not args.threads:

@@ -66,11 +66,11 @@ def check_settings() -> None:
     import os
 
     if "HPCKPT_PICKLE_BUDGET" in os.environ:
-        from hpckpt.core.pickle_budget import current_budget
+        from hpckpt.core.safety.pickle_budget import current_budget
 
         current_budget()
     if "HPCKPT_MAX_METADATA_BYTES" in os.environ:
-        from hpckpt.core.input_files import metadata_limit
+        from hpckpt.core.safety.input_files import metadata_limit
 
         metadata_limit()
 

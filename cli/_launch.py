@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hpckpt.core import job_files
-from hpckpt.core.errors import HpckptError
+from hpckpt.core.errors import JobFailedError, LauncherNotFoundError
 
 LAUNCHERS = ("torchrun", "msrun")
 ENTRY_SCRIPT = Path(__file__).resolve().parents[1] / "dist" / "jobs" / "entry" / "hpckpt_run_worker.py"
@@ -33,20 +33,6 @@ STOP_GRACE_SECONDS = 3.0  # between SIGTERM and SIGKILL
 # a failure reported about another rank, not a root cause of its own
 SECONDARY_KINDS = {"save-failed", "worker-failed", "interrupted"}  # reports about another rank's failure
 IDENTITY_FIELDS = {"rank", "world_size", "local_rank", "node_rank", "pid"}
-
-
-class JobFailedError(HpckptError):
-    """A rank of an `hpckpt run` job failed, or the launcher did (the message names the rank and its log)."""
-
-    exit_code = 22
-    kind = "job-failed"
-
-
-class LauncherNotFoundError(HpckptError):
-    """torchrun or msrun is not installed in this environment (nor on PATH)."""
-
-    exit_code = 24
-    kind = "launcher-not-found"
 
 
 def find_launcher(name: str) -> Path:

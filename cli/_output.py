@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from hpckpt.core.sizes import human_bytes  # noqa: F401 (the commands format sizes through _output)
+
 _state: dict[str, Any] = {}
 
 
@@ -145,15 +147,6 @@ def stderr_console():
     from rich.console import Console
 
     return Console(stderr=True, highlight=False)
-
-
-def human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
 
 
 def rate(report) -> str:

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from hpckpt.core import interrupts  # both small: nothing heavier is imported before the handlers
+from hpckpt.core.commit import interrupts  # both small: nothing heavier is imported before the handlers
 from hpckpt.core.errors import InterruptedRunError
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

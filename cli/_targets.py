@@ -9,31 +9,22 @@ import typer
 
 
 def check_layout_options(world_size, mesh, placements, rules, layout_files, keep_layout=False) -> None:
-    """Refuse a combination of layout options that names no target or several (before anything
-    is read: a large source takes seconds to open)."""
-    if keep_layout:
-        if placements or rules or layout_files or (world_size is None) == (mesh is None):
-            raise typer.BadParameter("--keep-layout goes with exactly one of --world-size or --mesh, and nothing else")
-        return
-    chosen = sum(x is not None and x != [] for x in (world_size, mesh, layout_files))
-    if chosen != 1 and not (rules and chosen == 0):
-        raise typer.BadParameter("give exactly one target: --world-size, --mesh (with --placements or "
-                                 "--layout-rules), --layout-rules with a mesh inside, or --layout-file")
-    if mesh and rules is None and not placements:
-        raise typer.BadParameter("--mesh needs --placements (or --layout-rules)")
+    """`api.layouts.check_layout_options`, its refusal a usage error (exit 2) naming the options."""
+    from hpckpt.api.layouts import check_layout_options as check
+
+    try:
+        check(world_size, mesh, placements, rules, layout_files, keep_layout)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 def layout_spec(src, world_size, split, mesh, placements, rules, layout_files, keep_layout=False):
     """The target layout the options name (reshard and convert); `src` is the source's index or
     path (read only by --keep-layout)."""
-    from hpckpt import api
-    from hpckpt.api.layouts import target_layout
-    from hpckpt.core.layout import Mesh, parse_mesh
+    from hpckpt.api.layouts import layout_spec as spec
 
     check_layout_options(world_size, mesh, placements, rules, layout_files, keep_layout)
-    if keep_layout:
-        return api.keep_layout_spec(src, Mesh((world_size,)) if world_size is not None else parse_mesh(mesh))
-    return target_layout(world_size, split, mesh, placements, rules, layout_files)
+    return spec(src, world_size, split, mesh, placements, rules, layout_files, keep_layout)
 
 
 def settings(jobs, max_memory: str, no_fsync: bool, force: bool, progress=None, parents: bool = False):

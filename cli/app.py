@@ -115,7 +115,7 @@ def run() -> int:
     from hpckpt.core import process
 
     process.single_job = True  # e.g. a large pickle's load may be given an address-space bound
-    from hpckpt.core import manifest
+    from hpckpt.core.commit import manifest
 
     manifest.COMMAND = ["hpckpt", *sys.argv[1:]]  # what every manifest written by this run records
     problem = _command_problem(sys.argv[1:])

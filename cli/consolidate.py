@@ -44,7 +44,7 @@ def consolidate(
     from hpckpt import api
     from hpckpt.cli import _output, _targets
 
-    from hpckpt.core.lock import reading
+    from hpckpt.core.commit.lock import reading
 
     with _output.TerminalProgress("consolidate") as progress, reading(src):  # before its metadata is read
         try:

@@ -126,7 +126,7 @@ def convert(
     if names is not None:
         is_file = names.endswith(".toml") or Path(names).is_file()
         rules = name_rules(Path(names), None, None) if is_file else name_rules(None, names, None)
-    from hpckpt.core.lock import reading
+    from hpckpt.core.commit.lock import reading
 
     with _output.TerminalProgress("convert") as progress, reading(src):  # before its metadata is read
         index = _targets.open_source(src, progress)

@@ -52,7 +52,7 @@ def convert_ms_torch(
 
     if to_format is not None:
         _targets.output_format(to_format, out, "--to-format")  # refuses one the extension contradicts
-    from hpckpt.core.lock import reading
+    from hpckpt.core.commit.lock import reading
 
     with _output.TerminalProgress("convert-ms-torch") as progress, reading(src):  # before its metadata is read
         index = _targets.open_source(src, progress)  # once: the plan and the conversion share it

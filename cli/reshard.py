@@ -65,7 +65,7 @@ def reshard(
     else:
         if src is None or out is None:
             raise typer.BadParameter("give SRC and -o DST")
-        from hpckpt.core.lock import reading
+        from hpckpt.core.commit.lock import reading
 
         with _output.TerminalProgress("reshard") as progress, reading(src):  # before its metadata is read
             try:

@@ -95,7 +95,7 @@ def _check_rank_layout(world_size: int, mesh: str | None, placements: str | None
                        layout_files: list[Path] | None, split: str) -> None:
     """The layout of the job's own ranks: a mesh of exactly the job's world size, with
     placements or rules; placements only with a mesh; layout files alone."""
-    from hpckpt.core.layout import parse_mesh, parse_placements
+    from hpckpt.core.geometry.layout import parse_mesh, parse_placements
 
     if layout_files and (mesh or placements or rules):
         raise typer.BadParameter("--layout-file goes alone (without --mesh, --placements or --layout-rules)")
@@ -135,7 +135,7 @@ def _check_paths(spec: dict) -> None:
     """
     import os
 
-    from hpckpt.core.destination import refuse_existing, refuse_unsafe
+    from hpckpt.core.commit.destination import refuse_existing, refuse_unsafe
     from hpckpt.core.errors import PathNotFoundError
 
     source = spec.get("ckpt") or spec.get("src") or spec.get("from")

@@ -20,7 +20,7 @@ from hpckpt.converters.safetensors_file import SafetensorsFileReader, Safetensor
 from hpckpt.converters.torch_dcp import TorchDcpReader, TorchDcpWriter
 from hpckpt.converters.torch_dcp.metadata_files import rank_local_files
 from hpckpt.converters.torch_save_file import TorchSaveFileWriter, TorchSaveReader
-from hpckpt.core.leftovers import FRAGMENT_DIR, leftover
+from hpckpt.core.commit.leftovers import FRAGMENT_DIR, leftover
 from hpckpt.core.errors import (
     CorruptMetadataError,
     NotACheckpointError,
@@ -28,7 +28,7 @@ from hpckpt.core.errors import (
     UnknownFormatError,
 )
 from hpckpt.core.index import CheckpointIndex
-from hpckpt.core.unpickle import SNIFF_BYTES, pickle_globals, sniff_head
+from hpckpt.core.safety.unpickle import SNIFF_BYTES, pickle_globals, sniff_head
 
 _HP_READER = HyperParallelReader()
 

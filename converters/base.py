@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from hpckpt.core.index import CheckpointIndex
-from hpckpt.core.output import Finished, OutputLayout
-from hpckpt.core.plan import Plan
+from hpckpt.core.io.output import Finished, OutputLayout
+from hpckpt.core.geometry.plan import Plan
 
 
 class FormatReader(Protocol):

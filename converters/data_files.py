@@ -14,7 +14,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hpckpt.core import checksums, input_files, safetensors_io
+from hpckpt.core.io import checksums
+
+from hpckpt.core.safety import input_files
+
+from hpckpt.core.codecs import safetensors_io
 from hpckpt.core.errors import (
     CorruptDataError,
     CorruptMetadataError,
@@ -24,8 +28,8 @@ from hpckpt.core.errors import (
 )
 from hpckpt.core.index import Chunk, Location, TensorEntry, ValueEntry
 from hpckpt.core.paths import resolve_inside
-from hpckpt.core.read import open_data_file, pread_exact
-from hpckpt.core.unpickle import loads
+from hpckpt.core.io.read import open_data_file, pread_exact
+from hpckpt.core.safety.unpickle import loads
 
 ZIP_MAGIC = b"PK\x03\x04"
 
@@ -205,7 +209,7 @@ def check_mindspore_crc(header: safetensors_io.SafetensorsHeader) -> None:
 
 def _torch_archive_table(path: Path) -> dict[str, Location]:
     """Legacy HyperParallel tensor files are torch.save archives of {key: tensor}."""
-    from hpckpt.core import torch_zip
+    from hpckpt.core.codecs import torch_zip
 
     obj = torch_zip.load_record(path)
     if not isinstance(obj, dict):

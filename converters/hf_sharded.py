@@ -21,11 +21,11 @@ from hpckpt.converters.base import WriterOptions
 from hpckpt.converters.safetensors_pieces import PER_RANK_FILE
 from hpckpt.converters import values_sidecar
 from hpckpt.converters.safetensors_file import flavour, index_safetensors_files, safetensors_file, whole_tensors
-from hpckpt.core import input_files
+from hpckpt.core.safety import input_files
 from hpckpt.core.errors import CorruptMetadataError
 from hpckpt.core.index import CheckpointIndex
-from hpckpt.core.output import Finished, OutputLayout
-from hpckpt.core.plan import Plan
+from hpckpt.core.io.output import Finished, OutputLayout
+from hpckpt.core.geometry.plan import Plan
 
 INDEX_NAME = "model.safetensors.index.json"
 SIDECAR_NAME = "values.json"  # hpckpt's values beside the shards (converters.values_sidecar)

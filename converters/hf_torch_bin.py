@@ -22,8 +22,9 @@ from hpckpt.converters.torch_save_file import (
     head_of,
     truncated_zip_head,
 )
-from hpckpt.core import input_files, torch_zip
-from hpckpt.core.box import full_box
+from hpckpt.core.safety import input_files
+from hpckpt.core.codecs import torch_zip
+from hpckpt.core.geometry.box import full_box
 from hpckpt.core.errors import (
     CorruptDataError,
     CorruptMetadataError,

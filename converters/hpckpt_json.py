@@ -36,10 +36,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from hpckpt import __version__
-from hpckpt.core import manifest
+from hpckpt.core.commit import manifest
 from hpckpt.core.errors import HpckptError
 from hpckpt.core.index import CheckpointIndex
-from hpckpt.core.input_files import load_json, read_small
+from hpckpt.core.safety.input_files import load_json, read_small
 
 NAME = ".hpckpt.json"
 RECORDED = ("hyperparallel", "torch-dcp")  # the formats whose world size file names cannot tell

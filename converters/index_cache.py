@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Callable
 
 from hpckpt import __version__
-from hpckpt.core import dtypes, input_files, manifest
+from hpckpt.core import dtypes
+from hpckpt.core.safety import input_files
+from hpckpt.core.commit import manifest
 from hpckpt.core.errors import HpckptError
 from hpckpt.core.index import CheckpointIndex, Chunk, Locator, TensorEntry, ValueEntry
 
@@ -95,7 +97,7 @@ def store(index: CheckpointIndex) -> None:
 
 def snapshot(index: CheckpointIndex) -> dict:
     """The listing of `index` a manifest carries: the snapshot, with each tensor's layout inferred."""
-    from hpckpt.core.layout import inferred_layouts
+    from hpckpt.core.geometry.layout import inferred_layouts
 
     inferred_layouts(index)
     return _encode(index)

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hpckpt.core import input_files
+from hpckpt.core.safety import input_files
 from hpckpt.core.errors import CorruptMetadataError
 from hpckpt.core.index import ValueEntry
 from hpckpt.core.json_values import values_document
@@ -122,7 +122,7 @@ def sidecars_of(file_name: str) -> tuple[str, ...]:
     """The sidecars hpckpt may have written beside the single-file output `file_name` (its values,
     its manifest): replacing the file (`--force`) replaces them too, so that no old sidecar is
     read with a new file."""
-    from hpckpt.core import manifest
+    from hpckpt.core.commit import manifest
 
     values = (sidecar_name(file_name),) if file_name.endswith(".safetensors") else ()
     return (*values, manifest.sidecar_name(file_name))
@@ -131,7 +131,7 @@ def sidecars_of(file_name: str) -> tuple[str, ...]:
 def owner_of(name: str) -> str | None:
     """The file a sidecar named `name` belongs to (a safetensors file's values, any single file's
     manifest); None for any other name."""
-    from hpckpt.core import manifest
+    from hpckpt.core.commit import manifest
 
     if name.endswith(manifest.SUFFIX):
         return name.removesuffix(manifest.SUFFIX) or None

@@ -195,6 +195,102 @@ class NameCollisionError(NameRuleError):
         self.sources = sources
 
 
+
+# Errors of the live library (`hpckpt.dist`) and of `hpckpt run`.
+
+class AccountingError(HpckptError):
+    """An entry would be lost or changed in kind without being reported: a bug, exit 1."""
+
+    exit_code = 1
+    kind = "internal"
+
+
+class BudgetSettingError(RulesFileError):
+    """`HPCKPT_PICKLE_BUDGET` cannot be parsed: a wrong setting is a usage error (exit 2)."""
+
+    kind = "pickle-budget"
+
+
+class CheckFailedError(HpckptError):
+    """A loaded box differs from the checkpoint's bytes."""
+
+    exit_code = 23
+    kind = "check-failed"
+
+
+class CoordinationTimeoutError(HpckptError, TimeoutError):
+    """Some ranks of a save did not arrive within the bounded wait (they died, hang, or run
+    another sequence of saves)."""
+
+    exit_code = 20
+    kind = "coordination-timeout"
+
+
+class InjectedFailure(HpckptError):
+    """`--fail-rank`: the failure a test asks one rank to have, while it writes."""
+
+    exit_code = 1
+    kind = "injected-failure"
+
+
+class JobFailedError(HpckptError):
+    """A rank of an `hpckpt run` job failed, or the launcher did (the message names the rank and its log)."""
+
+    exit_code = 22
+    kind = "job-failed"
+
+
+class LauncherNotFoundError(HpckptError):
+    """torchrun or msrun is not installed in this environment (nor on PATH)."""
+
+    exit_code = 24
+    kind = "launcher-not-found"
+
+
+class PlacementFitError(HpckptError, ValueError):
+    """A placement that fits none of the tensors it applies to: a usage error (exit 2), since the
+    option or rules file that gives it says nothing that can be carried out."""
+
+    exit_code = 2
+    kind = "usage"
+
+
+class ReshardOptionError(HpckptError):
+    """The options name no valid target (the CLI checks them first; a worker may still meet
+    what only the source tells, e.g. --keep-layout of a source without layouts)."""
+
+    exit_code = 2
+    kind = "usage"
+
+
+class SaveError(HpckptError):
+    """A rank of the save failed; every rank raises it, and nothing was committed."""
+
+    exit_code = 21
+    kind = "save-failed"
+
+
+class SelftestFailure(HpckptError):
+    """The failure `--fail-rank R` asks rank R for: the base error's exit code (1), a kind of its own."""
+
+    kind = "selftest-failure"
+
+
+SECONDARY_KIND = "worker-failed"  # what the other workers of `run reshard` report: not a root cause of their own
+
+
+class WorkerFailedError(HpckptError):
+    """A worker's failure, raised on every worker with its message and exit code; its kind on the
+    failing worker, `worker-failed` on the others (so `hpckpt run` names the failing one)."""
+
+    def __init__(self, worker: int, kind: str, exit_code: int, message: str, hint: str | None = None, *,
+                 mine: bool = True):
+        super().__init__(f"worker {worker}: {message}", hint=hint)
+        self.worker = worker
+        self.kind = kind if mine else SECONDARY_KIND
+        self.exit_code = exit_code
+
+
 #: Every error class with an exit code of its own (3 and up), for the documentation table (the
 #: README's exit codes, one row per kind) and `verify`'s findings. The rules-file errors are left
 #: out: they are usage errors, documented there as exit 2 "usage".

@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from hpckpt.core.box import Box
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.dtypes import DType
 from hpckpt.core.errors import CorruptMetadataError
 

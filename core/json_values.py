@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hpckpt.core.pickle_budget import describe
+from hpckpt.core.safety.pickle_budget import describe
 
 
 #: Values from pickles nest at most `pickle_budget` depth (100 by default, at most 200); anything

@@ -22,7 +22,7 @@ state dict holds their tensors (`hpckpt.core` and the CLI import neither).
 from hpckpt.dist.results import AsyncSaveHandle, LoadResult, SaveResult
 from hpckpt.dist.save import async_save, save
 from hpckpt.dist.load import load
-from hpckpt.dist.coordination import CoordinationTimeoutError
+from hpckpt.core.errors import CoordinationTimeoutError
 from hpckpt.dist.layouts import Sharded, sharded
 
 __all__ = ["save", "async_save", "load", "sharded", "Sharded", "SaveResult", "LoadResult", "AsyncSaveHandle",

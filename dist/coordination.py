@@ -26,19 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpckpt.core.errors import HpckptError
+from hpckpt.core.errors import CoordinationTimeoutError
 
 START = ".hpckpt-start.json"
 PROTOCOL_PREFIX = ".hpckpt-"  # every exchange file; none is left in a committed checkpoint
 DEFAULT_TIMEOUT = 600.0
-
-
-class CoordinationTimeoutError(HpckptError, TimeoutError):
-    """Some ranks of a save did not arrive within the bounded wait (they died, hang, or run
-    another sequence of saves)."""
-
-    exit_code = 20
-    kind = "coordination-timeout"
 
 
 class Restarted(Exception):

@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from hpckpt.converters import open_index
-from hpckpt.core.box import Box
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.errors import EntryMismatchError
-from hpckpt.core.lock import reading
-from hpckpt.core.read import OpenFiles, read_box
+from hpckpt.core.commit.lock import reading
+from hpckpt.core.io.read import OpenFiles, read_box
 from hpckpt.dist import frameworks
 from hpckpt.dist.call_forms import checkpoint_path, refuse_torch_only
 from hpckpt.dist.flatten import flatten, set_path

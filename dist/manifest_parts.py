@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hpckpt.converters import index_cache
-from hpckpt.core import manifest
-from hpckpt.core.durable import write_file
+from hpckpt.core.commit import manifest
+from hpckpt.core.commit.durable import write_file
 
 
 def part_name(rank: int) -> str:

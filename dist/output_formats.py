@@ -15,7 +15,7 @@ from hpckpt.converters.hyperparallel.reader import HyperParallelReader
 from hpckpt.converters.hyperparallel.writer import HyperParallelWriter, value_payload
 from hpckpt.converters.torch_dcp.reader import TorchDcpReader
 from hpckpt.converters.torch_dcp.writer import TorchDcpWriter, value_archive
-from hpckpt.core.unpickle import loads
+from hpckpt.core.safety.unpickle import loads
 
 
 @dataclass(frozen=True)

@@ -35,17 +35,17 @@ from typing import Any
 
 from hpckpt.converters import index_cache
 from hpckpt.converters.hyperparallel.writer import tensor_file, values_file
-from hpckpt.core.accounting import check_written
-from hpckpt.core import manifest
-from hpckpt.core.commit import Staging, shared_staging
-from hpckpt.core.durable import fsync_path, write_error, write_file
-from hpckpt.core.errors import HpckptError, UnsafePickleError, UnsupportedDTypeError
-from hpckpt.core.global_plan import DEDUP_MODES, GlobalPlan, LocalPlan, LocalValue, build_global_plan, plan_key
+from hpckpt.core.io.accounting import check_written
+from hpckpt.core.commit import manifest
+from hpckpt.core.commit.staging import Staging, shared_staging
+from hpckpt.core.commit.durable import fsync_path, write_error, write_file
+from hpckpt.core.errors import HpckptError, SaveError, UnsafePickleError, UnsupportedDTypeError
+from hpckpt.core.geometry.global_plan import DEDUP_MODES, GlobalPlan, LocalPlan, LocalValue, build_global_plan, plan_key
 from hpckpt.core.dtypes import dtype as parse_dtype
-from hpckpt.core.memory_source import MemoryTensor, memory_index
-from hpckpt.core.plan import PlannedValue, plan_as_given
-from hpckpt.core.output import Finished
-from hpckpt.core.write import WriteSettings, fill, lay_out
+from hpckpt.core.io.memory_source import MemoryTensor, memory_index
+from hpckpt.core.geometry.plan import PlannedValue, plan_as_given
+from hpckpt.core.io.output import Finished
+from hpckpt.core.io.write import WriteSettings, fill, lay_out
 from hpckpt.dist.coordination import (
     DEFAULT_TIMEOUT,
     START,
@@ -72,13 +72,6 @@ _plan_digests: dict[str, tuple[str, ...]] = {}  # key -> every rank's digest tha
 _sequence: dict[str, int] = {}  # path -> saves this process made to it (every rank makes the same)
 _in_flight: list[AsyncSaveHandle] = []
 _lock = threading.Lock()
-
-
-class SaveError(HpckptError):
-    """A rank of the save failed; every rank raises it, and nothing was committed."""
-
-    exit_code = 21
-    kind = "save-failed"
 
 
 @dataclass

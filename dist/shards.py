@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from hpckpt.core.box import Box
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.errors import GeometryError
 from hpckpt.core.dtypes import DType
 from hpckpt.dist.layouts import Sharded

@@ -51,13 +51,13 @@ from hpckpt.converters import open_index
 from hpckpt.converters.torch_dcp.reader import TorchDcpReader
 from hpckpt.converters.torch_dcp.writer import TorchDcpWriter, distcp_name, value_archive
 from hpckpt.converters.base import WriterOptions
-from hpckpt.core.box import Box
-from hpckpt.core.commit import Staging, shared_staging
+from hpckpt.core.geometry.box import Box
+from hpckpt.core.commit.staging import Staging, shared_staging
 from hpckpt.core.errors import EntryMismatchError, HpckptError, UnsupportedDTypeError
-from hpckpt.core.memory_source import MemoryTensor, memory_index
-from hpckpt.core.plan import PlannedValue, plan_as_given
-from hpckpt.core.read import OpenFiles, read_box
-from hpckpt.core.write import WriteSettings, fill, lay_out
+from hpckpt.core.io.memory_source import MemoryTensor, memory_index
+from hpckpt.core.geometry.plan import PlannedValue, plan_as_given
+from hpckpt.core.io.read import OpenFiles, read_box
+from hpckpt.core.io.write import WriteSettings, fill, lay_out
 from hpckpt.dist import manifest_parts
 from hpckpt.dist.frameworks import torch_tensors
 

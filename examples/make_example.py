@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from hpckpt.converters.hyperparallel.from_memory import ChunkData, write_checkpoint
-from hpckpt.core.box import Box
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.dtypes import dtype
 
 WORLD_SIZE = 2

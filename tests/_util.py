@@ -92,7 +92,7 @@ def write_row_sharded(root: Path) -> Path:
     2 MiB disk), written by hpckpt's in-memory writer."""
     from hpckpt.converters.hyperparallel.from_memory import ChunkData, write_checkpoint
     from hpckpt.core import dtypes
-    from hpckpt.core.layout import Mesh, TensorLayout, parse_placements
+    from hpckpt.core.geometry.layout import Mesh, TensorLayout, parse_placements
 
     root.mkdir(parents=True)
     array = np.arange(1_000_000, dtype=np.float32).reshape(1000, 1000)
@@ -146,7 +146,8 @@ def tree_without_manifest(tree: dict[str, bytes]) -> dict[str, bytes]:
 def assert_manifest_matches(root: Path) -> None:
     """Every file the manifest of the directory `root` lists, read back: its size, file digest and
     box digests are the ones the writer recorded while writing."""
-    from hpckpt.core import digest, manifest
+    from hpckpt.core.io import digest
+    from hpckpt.core.commit import manifest
 
     found = manifest.read(Path(root) / MANIFEST)
     assert found is not None, f"{root} has no manifest"

@@ -50,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from hpckpt.core.errors import ERROR_CLASSES, HpckptError
-from hpckpt.core.mindspore_ckpt.wire import _varint as encode_varint
+from hpckpt.core.codecs.mindspore_ckpt.wire import _varint as encode_varint
 
 DOCUMENTED = frozenset(cls.exit_code for cls in ERROR_CLASSES)
 CPU_SECONDS = 2.0  # CPU, not wall clock: the CI machine's two cores are busy with other tests
@@ -144,7 +144,7 @@ def run_input(root: Path, target: Target, rel: str, data: bytes) -> str:
 
 def _small_box(shape: tuple[int, ...]):
     """At most 4 x 4 x 4 elements at the origin: reading it touches real bytes, never allocates much."""
-    from hpckpt.core.box import Box
+    from hpckpt.core.geometry.box import Box
 
     return Box((0,) * len(shape), tuple(min(n, 4) if i < 3 else min(n, 1) for i, n in enumerate(shape)))
 
@@ -153,8 +153,8 @@ def check_checkpoint(path: Path) -> None:
     """What the commands do with a checkpoint: open its index, list its chunks, validate it (as
     `verify` does), read a small box of a few tensors and the writer's record."""
     from hpckpt.converters import hpckpt_json, open_index
-    from hpckpt.core.read import read_box
-    from hpckpt.core.validate import validate
+    from hpckpt.core.io.read import read_box
+    from hpckpt.core.safety.validate import validate
 
     index = open_index(path)
     for entry in index.tensors.values():
@@ -180,7 +180,7 @@ def _documented(call: Callable[[], Any]) -> None:
 def safetensors_target(path: Path) -> None:
     """The header parser, then the file alone and the directory it is part of (HF shards, a
     HyperParallel rank file, a file with its sidecar)."""
-    from hpckpt.core import safetensors_io
+    from hpckpt.core.codecs import safetensors_io
 
     safetensors_io.is_safetensors(path)
     _documented(lambda: safetensors_io.read_header(path, strict=False))
@@ -191,7 +191,7 @@ def safetensors_target(path: Path) -> None:
 
 def pickle_target(path: Path) -> None:
     """The safe unpickler on its own, as a value (`.bytes`) and as metadata, and the global scan."""
-    from hpckpt.core import unpickle
+    from hpckpt.core.safety import unpickle
 
     data = path.read_bytes()
     for kind in (unpickle.VALUE, unpickle.METADATA):
@@ -207,7 +207,8 @@ def directory_target(path: Path) -> None:
 def torch_save_target(path: Path) -> None:
     """The zip directory scan and the record reader, then the file as a checkpoint (and the HF
     directory of `.bin` shards it is one of)."""
-    from hpckpt.core import torch_zip, zip_directory
+    from hpckpt.core.codecs import torch_zip
+    from hpckpt.core.codecs import zip_directory
 
     torch_zip.is_zip_record(path)
     _documented(lambda: zip_directory.records_with_storages(path, [(0, path.stat().st_size)]))
@@ -220,7 +221,7 @@ def torch_save_target(path: Path) -> None:
 
 
 def ckpt_target(path: Path) -> None:
-    from hpckpt.core import mindspore_ckpt
+    from hpckpt.core.codecs import mindspore_ckpt
 
     mindspore_ckpt.sniff(path.read_bytes()[:4096], path.stat().st_size)
 
@@ -257,7 +258,7 @@ def manifest_target(path: Path) -> None:
     """A manifest in place of the one hpckpt wrote: its reader (header and every box line), the
     listing `inspect` takes from it, the record's world size, and `verify --deep` against it."""
     from hpckpt import api
-    from hpckpt.core import manifest
+    from hpckpt.core.commit import manifest
 
     def read() -> None:
         found = manifest.read(path)
@@ -663,8 +664,8 @@ def hp_metadata_objects(draw, seeds: Seeds, rel: str) -> bytes:
     """The seed's HyperParallel metadata, loaded, with one field somewhere replaced (by another
     field's value, an odd value, or a structure of the wrong class), written as HyperParallel
     writes it: a well-formed pickle whose schema is wrong."""
-    from hpckpt.core import metadata as hp
-    from hpckpt.core import unpickle
+    from hpckpt.core.codecs import hyperparallel_metadata as hp
+    from hpckpt.core.safety import unpickle
 
     seed = seeds[rel]
     tree = unpickle.loads(seed, what="seed", kind=unpickle.METADATA)

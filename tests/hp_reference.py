@@ -2,7 +2,7 @@
 
 Stand-in dataclasses with HyperParallel's class names, field lists and module paths (field lists
 from the format spec, section 3.2), pickled by the stock pickler; data files are written by the
-`safetensors` library. Nothing here uses hpckpt's own writer (`hpckpt.core.metadata.dumps_metadata`
+`safetensors` library. Nothing here uses hpckpt's own writer (`hpckpt.core.codecs.hyperparallel_metadata.dumps_metadata`
 and the converters), so a bug in hpckpt's writer cannot hide a bug in hpckpt's reader or in
 `hpckpt verify`: the tests that read or verify checkpoints written here would otherwise share the
 writer's mistakes. Tests import it by plain name, like `_util`: `from hp_reference import write_hp`.

@@ -15,8 +15,8 @@ import math
 
 from hypothesis import strategies as st
 
-from hpckpt.core.box import Box
-from hpckpt.core.layout import RULES, Mesh, RaggedShard, Replicate, Shard, TensorLayout, decompose_flat_interval
+from hpckpt.core.geometry.box import Box
+from hpckpt.core.geometry.layout import RULES, Mesh, RaggedShard, Replicate, Shard, TensorLayout, decompose_flat_interval
 
 # --------------------------------------------------------------------------------------------
 # Shapes, meshes and placements (test_engine_properties)

@@ -18,12 +18,12 @@ from hpckpt.api import pipeline
 from hpckpt.api.layouts import source_layout
 from hpckpt.converters import format_named, open_index
 from hpckpt.converters.hyperparallel.writer import HyperParallelWriter
-from hpckpt.core import validate
-from hpckpt.core.accounting import AccountingError
-from hpckpt.core.engine import copy_range
+from hpckpt.core.safety import validate
+from hpckpt.core.errors import AccountingError
+from hpckpt.core.io.engine import copy_range
 from hpckpt.core.errors import CorruptDataError
-from hpckpt.core.output import OutputLayout
-from hpckpt.core.write import WriteSettings
+from hpckpt.core.io.output import OutputLayout
+from hpckpt.core.io.write import WriteSettings
 
 W = np.arange(16, dtype=np.float32).reshape(4, 4)
 
@@ -325,7 +325,7 @@ def test_a_chunk_with_other_dims_than_its_tensor_is_corrupt_metadata_not_a_crash
 
 
 def test_a_metadata_object_missing_a_field_is_a_schema_error():
-    from hpckpt.core import metadata
+    from hpckpt.core.codecs import hyperparallel_metadata as metadata
     from hpckpt.core.errors import CorruptMetadataError
 
     for cls in (metadata.Metadata, metadata.TensorStorageMetadata, metadata.TensorProperties):

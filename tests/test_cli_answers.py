@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 
 from hpckpt import api
 from hpckpt.cli.app import app
-from hpckpt.core.layout import LayoutSpec, Mesh, Shard
-from hpckpt.core.layout.spec import PlacementFitError
+from hpckpt.core.geometry.layout import LayoutSpec, Mesh, Shard
+from hpckpt.core.errors import PlacementFitError
 
 TINY = REPO / "examples" / "tiny-hp"
 ENVELOPE = ["schema", "hpckpt_version", "command", "ok", "written", "skipped", "warnings"]

@@ -51,8 +51,8 @@ from hpckpt.core.errors import (
     MissingFileError,
     PathNotFoundError,
 )
-from hpckpt.core.memory_source import MemoryTensor, memory_index
-from hpckpt.core.read import read_box
+from hpckpt.core.io.memory_source import MemoryTensor, memory_index
+from hpckpt.core.io.read import read_box
 
 runner = CliRunner()
 

@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 from hpckpt import api
 from hpckpt.cli.app import app
 from hpckpt.converters import open_index
-from hpckpt.core.read import OpenFiles, read_box
+from hpckpt.core.io.read import OpenFiles, read_box
 
 runner = CliRunner()
 HPCKPT = Path(sys.executable).with_name("hpckpt")

@@ -43,7 +43,7 @@ from hpckpt import api
 from hpckpt.cli.app import app
 from hpckpt.converters import format_named, open_index
 from hpckpt.core.errors import CorruptDataError, DestinationExistsError
-from hpckpt.core.read import OpenFiles, read_box
+from hpckpt.core.io.read import OpenFiles, read_box
 
 runner = CliRunner()
 DIST_SCRIPT = Path(__file__).parent / "dist_scripts" / "torch_dcp_save.py"
@@ -346,7 +346,7 @@ def test_fixture_to_every_target(name, target, tmp_path):
 def test_default_layout_is_the_sources(target, tmp_path):
     """Without layout options an hp / torch-dcp output keeps the source's layout: every regularly
     sharded tensor has the same chunk boxes as in the source (the ragged one cannot be kept)."""
-    from hpckpt.core.layout import infer
+    from hpckpt.core.geometry.layout import infer
 
     fixture = FIXTURES / "m0-torch-4rank"
     out = tmp_path / target
@@ -560,7 +560,7 @@ def test_strided_sources(source, tmp_path):
         got = read_tensors(target, out, want, tmp_path)
         wrong += [f"{target}:{k}" for k, w in want.items() if got[k] != tensor_key(w)]
     assert not wrong, (f"values of strided {source} tensors come out in storage order, not in the view's "
-                       f"(core/read.py _read_strided takes a dense span for C order): {wrong}")
+                       f"(core/io/read.py _read_strided takes a dense span for C order): {wrong}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from _util import file_tree
 from hpckpt import api
 from hpckpt.converters import open_index
 from hpckpt.core.errors import HpckptError
-from hpckpt.core.leftovers import leftover
+from hpckpt.core.commit.leftovers import leftover
 
 KILL_JOB = Path(__file__).parent / "dist_scripts" / "kill_job.py"
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import hpckpt.dist as hdist
-from hpckpt.core.box import Box
+from hpckpt.core import errors
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.errors import GeometryError
 from hpckpt.dist.frameworks import torch_tensors
 from hpckpt.dist.shards import shards_of
@@ -59,7 +60,7 @@ def test_load_check_names_a_box_that_differs_from_the_checkpoint(tmp_path):
     """`hpckpt run load --check`'s comparison: a loaded state passes, one changed element fails
     (exit 23), named; read a block of rows at a time (a tiny block forces many)."""
     from hpckpt.converters import open_index
-    from hpckpt.core.layout import LayoutSpec
+    from hpckpt.core.geometry.layout import LayoutSpec
     from hpckpt.dist.jobs import load_job, states
 
     hdist.save({"w": torch.arange(40, dtype=torch.float32).reshape(10, 4), "lr": 0.5}, tmp_path / "ck")
@@ -71,12 +72,12 @@ def test_load_check_names_a_box_that_differs_from_the_checkpoint(tmp_path):
         assert load_job.check(tmp_path / "ck", state, pieces, torch_tensors, 0) == \
             {"checked_boxes": 1, "checked_bytes": 160, "checked_values": 1}
         state["w"].local[9, 3] += 1  # the last row's last element
-        with pytest.raises(load_job.CheckFailedError, match="rank 0: w box \\[10, 4\\] at \\[0, 0\\] differs") as info:
+        with pytest.raises(errors.CheckFailedError, match="rank 0: w box \\[10, 4\\] at \\[0, 0\\] differs") as info:
             load_job.check(tmp_path / "ck", state, pieces, torch_tensors, 0)
         assert info.value.exit_code == 23
         state["w"].local[9, 3] -= 1
         state["lr"] = 0.25
-        with pytest.raises(load_job.CheckFailedError, match="value lr is 0.25, the checkpoint holds 0.5"):
+        with pytest.raises(errors.CheckFailedError, match="value lr is 0.25, the checkpoint holds 0.5"):
             load_job.check(tmp_path / "ck", state, pieces, torch_tensors, 0)
     finally:
         load_job.CHECK_TILE_BYTES = small

@@ -22,7 +22,7 @@ mindspore = pytest.importorskip("mindspore")  # a test dependency: the README's 
 
 import hpckpt.dist as hdist  # noqa: E402
 from hpckpt.converters.hyperparallel.reader import _read_pickle  # noqa: E402
-from hpckpt.core.metadata import BytesStorageMetadata  # noqa: E402
+from hpckpt.core.codecs.hyperparallel_metadata import BytesStorageMetadata  # noqa: E402
 from hpckpt.dist.frameworks import mindspore_tensors as ms_side  # noqa: E402
 
 FIXTURE = FIXTURES / "m0-mindspore-1rank"
@@ -56,7 +56,7 @@ def _ms_state(fixture: Path) -> dict:
     """Zero MindSpore Parameters of the fixture's tensors, nested as its planner data says."""
     from hpckpt.converters import open_index
     from hpckpt.dist.jobs.states import empty_state
-    from hpckpt.core.layout import LayoutSpec
+    from hpckpt.core.geometry.layout import LayoutSpec
 
     state, _pieces = empty_state(open_index(fixture), LayoutSpec.for_world_size(1), 0, "mindspore")
     return state
@@ -88,7 +88,7 @@ def test_a_mindspore_checkpoint_loads_into_torch_and_back_bit_exactly(tmp_path):
     expected, values = expected_tensors(FIXTURE), expected_values(FIXTURE)
     from hpckpt.converters import open_index
     from hpckpt.dist.jobs.states import empty_state
-    from hpckpt.core.layout import LayoutSpec
+    from hpckpt.core.geometry.layout import LayoutSpec
     from hpckpt.dist.flatten import flatten
 
     torch_state, pieces = empty_state(open_index(tmp_path / "ms"), LayoutSpec.for_world_size(1), 0, "torch")

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 from mindspore import Parameter, Tensor, nn  # noqa: E402
 
-from hpckpt.core.box import Box  # noqa: E402
+from hpckpt.core.geometry.box import Box  # noqa: E402
 from hpckpt.core.dtypes import dtype  # noqa: E402
 from hpckpt.core.errors import GeometryError, HpckptError  # noqa: E402
 from hpckpt.dist.frameworks import mindspore_tensors as fw  # noqa: E402

@@ -185,7 +185,7 @@ def test_load_reads_every_format(tmp_path):
 
 
 def test_core_and_cli_never_import_torch():
-    code = ("import sys, hpckpt.core.global_plan, hpckpt.cli.app, hpckpt.api; "
+    code = ("import sys, hpckpt.core.geometry.global_plan, hpckpt.cli.app, hpckpt.api; "
             "print(any(m == 'torch' or m.startswith('torch.') for m in sys.modules))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "False"

@@ -24,7 +24,9 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from hpckpt.cli.app import app
-from hpckpt.core import dtypes, safetensors_io, unpickle
+from hpckpt.core import dtypes
+from hpckpt.core.codecs import safetensors_io
+from hpckpt.core.safety import unpickle
 from hpckpt.core.errors import UnsafePickleError, UnsupportedDTypeError
 
 runner = CliRunner()
@@ -147,7 +149,7 @@ def test_torch_save_and_dcp_can_hold_what_the_table_says(tmp_path, d):
 
 
 def _ckpt(path: Path, tensor_type: str, nbytes: int) -> None:
-    from hpckpt.core.mindspore_ckpt import piece_header
+    from hpckpt.core.codecs.mindspore_ckpt import piece_header
 
     path.write_bytes(piece_header(b"t", (nbytes,) if tensor_type == "str" else (2,), tensor_type.encode(), nbytes)
                      + bytes(nbytes))

@@ -27,11 +27,11 @@ from hpckpt import api
 from hpckpt.converters import open_index
 from hpckpt.converters.hyperparallel.from_memory import ChunkData, write_checkpoint
 from hpckpt.core import dtypes
-from hpckpt.core.box import Box
-from hpckpt.core.tiles import contiguous_tiles
+from hpckpt.core.geometry.box import Box
+from hpckpt.core.geometry.tiles import contiguous_tiles
 from hpckpt.core.index import Chunk
-from hpckpt.core.layout import LayoutSpec, Mesh, Shard
-from hpckpt.core.overlap import ChunkIndex, boxes_to_arrays
+from hpckpt.core.geometry.layout import LayoutSpec, Mesh, Shard
+from hpckpt.core.geometry.overlap import ChunkIndex, boxes_to_arrays
 
 
 class ChunkFinder:
@@ -154,7 +154,7 @@ def test_nested_split_with_an_empty_part(tmp_path):
     assert layout.all_boxes((2,)) == {0: [Box((0,), (1,))], 1: [Box((1,), (0,))], 2: [Box((1,), (1,))],
                                       3: [Box((2,), (0,))]}
     api.reshard(tmp_path / "src", tmp_path / "dst", spec)
-    from hpckpt.core.unpickle import loads
+    from hpckpt.core.safety.unpickle import loads
 
     metadata = loads((tmp_path / "dst" / ".metadata").read_bytes(), what="metadata")
     chunks = metadata.state_dict_metadata["b"].chunks
@@ -271,7 +271,7 @@ def test_chunk_finder_scalar():
 )
 def test_contiguous_regions_are_recognised(offsets, sizes, contiguous):
     """Contiguous regions (whole chunks included) take the kernel-copy path; the rest is gathered."""
-    from hpckpt.core.tiles import contiguous_in as _contiguous_in
+    from hpckpt.core.geometry.tiles import contiguous_in as _contiguous_in
 
     shape = (3, 4) if len(sizes) == 2 else (2, 3, 4)
     assert _contiguous_in(Box(offsets, sizes), shape) is contiguous

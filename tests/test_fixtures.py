@@ -6,7 +6,7 @@ import pytest
 from _util import FIXTURE_NAMES, FIXTURES, assert_bit_equal, expected_tensors, expected_values
 
 from hpckpt.converters import open_index
-from hpckpt.core.read import OpenFiles, read_box
+from hpckpt.core.io.read import OpenFiles, read_box
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)

@@ -11,7 +11,7 @@ from _util import assert_bit_equal
 from safetensors.torch import save_file
 
 from hpckpt.converters import open_index
-from hpckpt.core.read import read_box
+from hpckpt.core.io.read import read_box
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
@@ -88,14 +88,14 @@ def test_read_any_sub_box(tmp_path):
     full = torch.arange(6 * 7 * 5, dtype=torch.float32).reshape(6, 7, 5)
     save_file({"t": full}, str(tmp_path / "m.safetensors"))
     index = open_index(tmp_path / "m.safetensors")
-    from hpckpt.core.box import Box
+    from hpckpt.core.geometry.box import Box
 
     entry = index.tensors["t"]
     for box in (Box((0, 2, 0), (6, 1, 5)), Box((1, 1, 1), (3, 4, 2)), Box((5, 6, 4), (1, 1, 1)), Box((0, 0, 3), (6, 7, 2))):
         expected = full[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))].numpy()
         assert_bit_equal(read_box(index, entry, box), expected, str(box))
         # a tiny read budget forces the per-row path
-        from hpckpt.core import read as read_mod
+        from hpckpt.core.io import read as read_mod
 
         out = np.empty(box.sizes, dtype=np.float32)
         loc = index.locate(entry.chunks[0], entry)

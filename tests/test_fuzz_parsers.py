@@ -145,8 +145,8 @@ def test_found_zip_flags(samples, flag):
 def test_found_hp_tensor_key(samples):
     """A StorageInfo whose tensor_key is no str (a list here) reached a dict lookup:
     `TypeError: unhashable type` from the data file locator."""
-    from hpckpt.core import metadata as hp
-    from hpckpt.core import unpickle
+    from hpckpt.core.codecs import hyperparallel_metadata as hp
+    from hpckpt.core.safety import unpickle
 
     tree = unpickle.loads((samples / "hp-tiny" / ".metadata").read_bytes(), what="seed", kind=unpickle.METADATA)
     info = next(v for v in tree.storage_data.values() if v.tensor_key is not None)
@@ -185,7 +185,7 @@ def test_found_memoryview_value():
     """Protocol 5's READONLY_BUFFER turns a bytearray into a memoryview: it loaded as a value,
     and `reshard` then failed writing it (`TypeError: cannot pickle memoryview objects`, exit 1).
     Found by hand, tracing a `SystemError` line CPython printed during a long fuzz run."""
-    from hpckpt.core import unpickle
+    from hpckpt.core.safety import unpickle
     from hpckpt.core.errors import UnsafePickleError
 
     data = pickle.PROTO + b"\x05" + pickle.BYTEARRAY8 + struct.pack("<Q", 2) + b"ab" + pickle.READONLY_BUFFER
@@ -199,7 +199,7 @@ def test_found_bytearray8_length():
     them (MemoryError), and CPython 3.11's failed bytearray allocation printed a stray
     "SystemError: deallocated bytearray object has exported buffers" line (bench find). Now the
     opcode scan refuses it first, without allocating."""
-    from hpckpt.core import unpickle
+    from hpckpt.core.safety import unpickle
     from hpckpt.core.errors import CorruptMetadataError
 
     data = pickle.PROTO + b"\x05" + pickle.BYTEARRAY8 + struct.pack("<Q", 1 << 40) + b"ab"

@@ -1,4 +1,4 @@
-"""The global plan of a live save (`core/global_plan.py`): every rank derives it from the gathered
+"""The global plan of a live save (`core/geometry/global_plan.py`): every rank derives it from the gathered
 local plans, and it must be the offline planner's plan for the same layout (so a live save writes
 the bytes `hpckpt reshard` writes), place replicas as HyperParallel's de-dup does, and refuse
 shards that do not hold their tensor exactly once. No framework: local plans are built from the
@@ -12,13 +12,13 @@ import json
 import numpy as np
 import pytest
 
-from hpckpt.core.box import Box
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.dtypes import dtype
 from hpckpt.core.errors import EntryMismatchError, GeometryError
-from hpckpt.core.global_plan import LocalPlan, LocalValue, build_global_plan, plan_key
-from hpckpt.core.layout import LayoutSpec, Mesh, parse_placements
-from hpckpt.core.memory_source import MemoryTensor, memory_index
-from hpckpt.core.plan import make_plan
+from hpckpt.core.geometry.global_plan import LocalPlan, LocalValue, build_global_plan, plan_key
+from hpckpt.core.geometry.layout import LayoutSpec, Mesh, parse_placements
+from hpckpt.core.io.memory_source import MemoryTensor, memory_index
+from hpckpt.core.geometry.plan import make_plan
 
 # (name, dtype, shape, mesh, placements): uneven splits, replicas, HSDP, 0-d, an empty shard
 TENSORS = [

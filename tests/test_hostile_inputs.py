@@ -192,7 +192,7 @@ def test_hostile_case(hostile, name):
 
 
 def test_a_fifo_is_refused_unopened(tmp_path):
-    from hpckpt.core import input_files
+    from hpckpt.core.safety import input_files
     from hpckpt.core.errors import MissingFileError
 
     os.mkfifo(tmp_path / "f")
@@ -205,7 +205,7 @@ def test_a_fifo_is_refused_unopened(tmp_path):
 
 
 def test_read_small_refuses_a_sparse_file_unread(tmp_path):
-    from hpckpt.core import input_files
+    from hpckpt.core.safety import input_files
     from hpckpt.core.errors import CorruptMetadataError
 
     path = tmp_path / "big"
@@ -216,7 +216,7 @@ def test_read_small_refuses_a_sparse_file_unread(tmp_path):
 
 
 def test_json_depth_counts_brackets_outside_strings_only():
-    from hpckpt.core import input_files
+    from hpckpt.core.safety import input_files
     from hpckpt.core.errors import CorruptDataError
 
     assert input_files.json_depth(b'{"a": [[1], {"b": "[[[[\\"]]"}]}') == 3

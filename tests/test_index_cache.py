@@ -10,7 +10,7 @@ from _util import REPO
 
 from hpckpt import api
 from hpckpt.converters import index_cache, open_index
-from hpckpt.core.read import read_box
+from hpckpt.core.io.read import read_box
 
 
 @pytest.fixture

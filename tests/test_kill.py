@@ -33,7 +33,7 @@ import kill_harness as kh
 from _util import file_tree, normalized_tree, write_row_sharded
 from hpckpt import api
 from hpckpt.cli.app import app
-from hpckpt.core.leftovers import leftover
+from hpckpt.core.commit.leftovers import leftover
 from hpckpt.core.errors import HpckptError
 
 REPO = Path(__file__).resolve().parents[1]

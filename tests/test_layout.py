@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from strategies import layouts_and_shapes
 
 from hpckpt.converters import open_index
-from hpckpt.core.box import Box
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.errors import CorruptMetadataError, GeometryError, PathNotFoundError
-from hpckpt.core.layout import (
+from hpckpt.core.geometry.layout import (
     RULES_FILE_EXAMPLE,
     InferredLayout,
     LayoutSpec,

@@ -6,8 +6,8 @@ from _util import FIXTURES, MANIFEST, assert_bit_equal, expected_tensors, normal
 
 from hpckpt import api
 from hpckpt.converters import open_index
-from hpckpt.core.layout import Mesh
-from hpckpt.core.read import read_box
+from hpckpt.core.geometry.layout import Mesh
+from hpckpt.core.io.read import read_box
 
 # What the fixture README says each tensor was saved with (4 ranks; 2x2 mesh for the 2-D ones).
 SAVED = {

@@ -26,7 +26,8 @@ from typer.testing import CliRunner
 from hpckpt import api
 from hpckpt.cli.app import app
 from hpckpt.converters import open_index
-from hpckpt.core import digest, manifest
+from hpckpt.core.io import digest
+from hpckpt.core.commit import manifest
 from hpckpt.core.index import Location
 
 SOURCE = FIXTURES / "m0-torch-4rank"
@@ -199,8 +200,8 @@ def test_large_copied_ranges_are_hashed_through_a_mapping_or_the_buffer(maps, tm
     import numpy as np
     from safetensors.numpy import save_file
 
-    from hpckpt.core import engine
-    from hpckpt.core.layout import LayoutSpec
+    from hpckpt.core.io import engine
+    from hpckpt.core.geometry.layout import LayoutSpec
 
     src = tmp_path / "big.safetensors"
     save_file({"w": np.arange(3 * 1024 * 1024, dtype=np.float32).reshape(3072, 1024),

@@ -26,14 +26,14 @@ from hpckpt.cli.app import app
 from hpckpt.converters import detect, format_named, open_index
 from hpckpt.converters.base import WriterOptions
 from hpckpt.converters.mindspore_ckpt import MindSporeCkptReader
-from hpckpt.core import mindspore_ckpt as mc
+from hpckpt.core.codecs import mindspore_ckpt as mc
 from hpckpt.core.dtypes import dtype
 from hpckpt.core.errors import (CorruptDataError, HpckptError, NotACheckpointError, UnknownFormatError,
                                 UnsupportedDTypeError)
-from hpckpt.core.memory_source import MemoryTensor, memory_index
-from hpckpt.core.plan import whole_tensor_plan
-from hpckpt.core.read import read_box
-from hpckpt.core.write import Written, WriteSettings, write_plan
+from hpckpt.core.io.memory_source import MemoryTensor, memory_index
+from hpckpt.core.geometry.plan import whole_tensor_plan
+from hpckpt.core.io.read import read_box
+from hpckpt.core.io.write import Written, WriteSettings, write_plan
 
 ms = pytest.importorskip("mindspore")
 serialization = pytest.importorskip("mindspore.train.serialization")

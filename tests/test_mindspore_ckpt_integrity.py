@@ -21,16 +21,16 @@ from typer.testing import CliRunner
 from hpckpt.cli.app import app
 from hpckpt.converters import format_named, open_index
 from hpckpt.converters.base import WriterOptions
-from hpckpt.core import checksums
-from hpckpt.core import mindspore_ckpt as mc
+from hpckpt.core.io import checksums
+from hpckpt.core.codecs import mindspore_ckpt as mc
 from hpckpt.core.dtypes import all_dtypes, dtype
 from hpckpt.core.errors import CorruptDataError, NotACheckpointError, UnsupportedDTypeError
-from hpckpt.core.memory_source import MemoryTensor, memory_index
-from hpckpt.core.plan import whole_tensor_plan
-from hpckpt.core.read import read_box
-from hpckpt.core.write import WriteSettings, write_plan
+from hpckpt.core.io.memory_source import MemoryTensor, memory_index
+from hpckpt.core.geometry.plan import whole_tensor_plan
+from hpckpt.core.io.read import read_box
+from hpckpt.core.io.write import WriteSettings, write_plan
 
-crc_module = importlib.import_module("hpckpt.core.mindspore_ckpt.crc")
+crc_module = importlib.import_module("hpckpt.core.codecs.mindspore_ckpt.crc")
 ms = pytest.importorskip("mindspore")
 torch = pytest.importorskip("torch")
 

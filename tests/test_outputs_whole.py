@@ -21,7 +21,7 @@ import kill_harness as kh
 from _util import write_row_sharded
 from hpckpt import api
 from hpckpt.cli.app import app
-from hpckpt.core.layout import LayoutSpec
+from hpckpt.core.geometry.layout import LayoutSpec
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "tiny-hp"
@@ -310,7 +310,7 @@ def test_a_full_disk_in_a_mapped_copy_is_the_disk_error(tmp_path):
     failed write's traceback."""
     from safetensors.numpy import save_file
 
-    from hpckpt.core import engine
+    from hpckpt.core.io import engine
 
     src = tmp_path / "big.safetensors"
     save_file({"w": np.arange(2048 * 1024, dtype=np.float32).reshape(2048, 1024)}, str(src))

@@ -26,7 +26,7 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 def test_core_adapters_and_api_import_no_framework(tmp_path):
     code = (
-        "import sys, hpckpt.core.unpickle, hpckpt.core.read, hpckpt.core.validate, hpckpt.converters, hpckpt.api, hpckpt.cli.app\n"
+        "import sys, hpckpt.core.safety.unpickle, hpckpt.core.io.read, hpckpt.core.safety.validate, hpckpt.converters, hpckpt.api, hpckpt.cli.app\n"
         "import hpckpt.dist, hpckpt.dist.stateful, hpckpt.dist.call_forms, hpckpt.dist.output_formats\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'mindspore'))\n"
         "print(bad)"

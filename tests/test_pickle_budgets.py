@@ -37,10 +37,11 @@ from hp_reference import (
     write_hp,
 )
 
-from hpckpt.core import pickle_budget
+from hpckpt.core import errors
+from hpckpt.core.safety import pickle_budget
 from hpckpt.core.errors import CorruptMetadataError, UnsafePickleError
-from hpckpt.core.pickle_budget import PickleBudget, check_value, parse_budget
-from hpckpt.core.unpickle import METADATA, loads
+from hpckpt.core.safety.pickle_budget import PickleBudget, check_value, parse_budget
+from hpckpt.core.safety.unpickle import METADATA, loads
 
 PROTO = b"\x80\x04"
 
@@ -160,7 +161,7 @@ def test_the_environment_raises_a_budget(monkeypatch):
 
 @pytest.mark.parametrize("text", ["depth", "depth=", "depth=-1", "depth=201", "depht=10", "alloc=1X", "objects=0"])
 def test_a_wrong_setting_is_a_usage_error(text):
-    with pytest.raises(pickle_budget.BudgetSettingError) as info:
+    with pytest.raises(errors.BudgetSettingError) as info:
         parse_budget(text)
     assert info.value.exit_code == 2 and pickle_budget.ENV in info.value.message
 
@@ -560,7 +561,7 @@ def test_a_memo_index_bomb_too_large_to_scan_is_bounded_by_the_command(tmp_path)
     import subprocess
     import sys
 
-    from hpckpt.core.unpickle import SCAN_BYTES
+    from hpckpt.core.safety.unpickle import SCAN_BYTES
 
     root = hp_checkpoint(tmp_path / "memo")
     module, pad = b"hyper_parallel.core.distributed_checkpoint.metadata", b"x" * (SCAN_BYTES + (100 << 10))

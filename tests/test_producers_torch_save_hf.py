@@ -30,7 +30,7 @@ from test_convert import OUT_NAME, TARGETS, check_output, cli, error_lines, tens
 
 from hpckpt import api
 from hpckpt.converters import detect, open_index
-from hpckpt.core.read import read_box
+from hpckpt.core.io.read import read_box
 
 def read_all(path: Path) -> dict[str, tuple]:
     """Every tensor of a checkpoint through hpckpt, as `test_convert.tensor_key`s."""

@@ -11,7 +11,7 @@ import itertools
 import numpy as np
 import pytest
 
-from hpckpt.core.read import OpenFiles, _read_strided
+from hpckpt.core.io.read import OpenFiles, _read_strided
 
 
 @pytest.fixture(scope="module")

@@ -37,10 +37,10 @@ from hpckpt.converters import open_index
 from hpckpt.converters.hyperparallel.from_memory import ChunkData, write_checkpoint
 from hpckpt.core import dtypes
 from hpckpt.core.errors import CorruptMetadataError, DestinationExistsError, MissingFileError
-from hpckpt.core.layout import LayoutSpec, Mesh, TensorLayout, parse_placements
-from hpckpt.core.metadata import TensorStorageMetadata
-from hpckpt.core.read import OpenFiles, read_box
-from hpckpt.core.unpickle import loads
+from hpckpt.core.geometry.layout import LayoutSpec, Mesh, TensorLayout, parse_placements
+from hpckpt.core.codecs.hyperparallel_metadata import TensorStorageMetadata
+from hpckpt.core.io.read import OpenFiles, read_box
+from hpckpt.core.safety.unpickle import loads
 
 runner = CliRunner()
 HPCKPT = Path(sys.executable).with_name("hpckpt")

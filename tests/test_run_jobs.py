@@ -100,7 +100,7 @@ def test_save_from_an_existing_checkpoint_lays_it_out_anew(tmp_path):
     from _util import FIXTURES, assert_bit_equal, expected_tensors, expected_values
 
     from hpckpt.converters import open_index
-    from hpckpt.core.read import read_box
+    from hpckpt.core.io.read import read_box
 
     fixture = FIXTURES / "m0-torch-4rank"
     doc = report(run("--nproc-per-node", "2", "save", "-o", str(tmp_path / "ck"), "--from", str(fixture),

@@ -17,6 +17,7 @@ import pytest
 from _util import REPO
 from typer.testing import CliRunner
 
+from hpckpt.core import errors
 from hpckpt.cli import _launch
 from hpckpt.cli.app import app
 from hpckpt.core import job_files
@@ -157,7 +158,7 @@ def test_wrong_options_are_one_usage_line(args, said):
 def test_a_missing_launcher_is_one_error_line(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
     result = cli("run", "--launcher", "msrun", "--log-dir", tmp_path / "logs", "selftest", env={"PATH": str(tmp_path)})
-    assert result.exit_code == _launch.LauncherNotFoundError.exit_code
+    assert result.exit_code == errors.LauncherNotFoundError.exit_code
     assert result.stderr.splitlines()[0] == f"error: msrun not found next to {tmp_path / 'python'} nor on PATH"
     assert not (tmp_path / "logs").exists()
 
@@ -245,7 +246,7 @@ def test_a_rank_without_result_makes_the_job_incomplete(tmp_path):
     _rank(tmp_path, 0, "ok")
     job_files.write_json(job_files.result_path(tmp_path, 0), {})
     _rank(tmp_path, 1, "running")
-    with pytest.raises(_launch.JobFailedError, match="rank 1 ended without reporting success") as err:
+    with pytest.raises(errors.JobFailedError, match="rank 1 ended without reporting success") as err:
         _launch.check_complete(_plan(tmp_path, 2), job_files.read_run(tmp_path))
     assert err.value.exit_code == 22 and err.value.kind == "job-failed"
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hpckpt.core import errors
 from hpckpt.dist.jobs import reshard_job
 from hpckpt.dist.jobs.reshard_job import assign_shares, first_failure, raised
 from tests._util import MANIFEST, REPO, RUN_FIELDS, manifest_content, run_torchrun
@@ -38,7 +39,7 @@ def make_source(root: Path) -> Path:
     of uneven lengths, a replicated 0-d tensor stored once, a value on each rank."""
     from hpckpt.converters.hyperparallel.from_memory import ChunkData, write_checkpoint
     from hpckpt.core import dtypes
-    from hpckpt.core.layout import Mesh, TensorLayout, parse_placements
+    from hpckpt.core.geometry.layout import Mesh, TensorLayout, parse_placements
 
     rng = np.random.default_rng(7)
     tensors = {}
@@ -168,7 +169,7 @@ def test_one_worker_writes_the_one_process_output_and_refuses_an_existing_destin
     assert result["bytes_written"] == reference["bytes_written"] == ctx.started == ctx.advanced
     assert ctx.gathers == 4
     before = digests(tmp_path / "out")
-    with pytest.raises(reshard_job.WorkerFailedError) as caught:
+    with pytest.raises(errors.WorkerFailedError) as caught:
         reshard_job.run(spec(source, tmp_path / "out", world_size=3), _OneWorker(tmp_path))
     assert (caught.value.kind, caught.value.exit_code) == ("destination-exists", 14)
     assert caught.value.message.startswith("worker 0: ")
@@ -177,7 +178,7 @@ def test_one_worker_writes_the_one_process_output_and_refuses_an_existing_destin
 
 
 def test_a_bad_target_is_a_usage_error_on_the_worker(source, tmp_path):
-    with pytest.raises(reshard_job.WorkerFailedError) as caught:
+    with pytest.raises(errors.WorkerFailedError) as caught:
         reshard_job.run(spec(source, tmp_path / "out", mesh="2x2"), _OneWorker(tmp_path))  # no placements
     assert caught.value.exit_code == 2 and "placements" in caught.value.message
     assert not (tmp_path / "out").exists()

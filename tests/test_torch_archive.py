@@ -27,15 +27,16 @@ from hypothesis import strategies as st
 from _util import read_location, torch_bytes
 from hpckpt.converters import format_named
 from hpckpt.converters.base import WriterOptions
-from hpckpt.core import checksums, dtypes
-from hpckpt.core.box import full_box
-from hpckpt.core import torch_archive as ta
+from hpckpt.core.io import checksums
+from hpckpt.core import dtypes
+from hpckpt.core.geometry.box import full_box
+from hpckpt.core.codecs import torch_archive as ta
 from hpckpt.core.errors import DestinationExistsError, EntryMismatchError
-from hpckpt.core.memory_source import MemoryTensor, memory_index
-from hpckpt.core.plan import whole_tensor_plan
-from hpckpt.core.torch_archive import TorchArchive, archive_name_for
-from hpckpt.core.torch_zip import TensorRecord, load_record
-from hpckpt.core.write import WriteSettings, write_plan
+from hpckpt.core.io.memory_source import MemoryTensor, memory_index
+from hpckpt.core.geometry.plan import whole_tensor_plan
+from hpckpt.core.codecs.torch_archive import TorchArchive, archive_name_for
+from hpckpt.core.codecs.torch_zip import TensorRecord, load_record
+from hpckpt.core.io.write import WriteSettings, write_plan
 
 
 def zoo() -> "OrderedDict[str, torch.Tensor]":

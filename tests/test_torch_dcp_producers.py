@@ -417,7 +417,7 @@ def test_nested_record_through_every_target(nested, tmp_path):
 def test_zip_directory_scan_tells_records_with_tensors(tmp_path):
     """The cheap scan that decides which value records are opened: real torch.save records,
     small (read whole) and large (read in parts), raw bytes, and a directory it cannot parse."""
-    from hpckpt.core.zip_directory import records_with_storages
+    from hpckpt.core.codecs.zip_directory import records_with_storages
 
     parts = []
     for obj in ({"lr": 0.1, "names": ["a"]}, {"t": torch.arange(3)}, {"big": torch.zeros(40_000)}, [1, 2]):

@@ -1,4 +1,4 @@
-"""torch.save records parsed by hpckpt.core.torch_zip, checked bit-exactly against real torch."""
+"""torch.save records parsed by hpckpt.core.codecs.torch_zip, checked bit-exactly against real torch."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from hpckpt.core.errors import CorruptDataError, MissingFileError, UnsafePickleError
 from _util import read_location, torch_bytes
-from hpckpt.core.torch_zip import TensorRecord, is_zip_record, load_record
+from hpckpt.core.codecs.torch_zip import TensorRecord, is_zip_record, load_record
 
 
 def assert_same(record: TensorRecord, path: Path, t: torch.Tensor) -> None:

@@ -1,7 +1,7 @@
-"""The restricted unpickler (`hpckpt.core.unpickle`) and the metadata writer (`dumps_metadata`).
+"""The restricted unpickler (`hpckpt.core.safety.unpickle`) and the metadata writer (`dumps_metadata`).
 
 Reading: every real HyperParallel `.metadata` loads, agrees with an independent reader, maps the
-current and legacy HyperParallel classes to `hpckpt.core.metadata`, maps `torch.Size`/torch dtypes
+current and legacy HyperParallel classes to `hpckpt.core.codecs.hyperparallel_metadata`, maps `torch.Size`/torch dtypes
 without importing torch, and refuses any other callable before anything runs (each refusal is
 checked against a marker file the payload would create, and the same payload is shown to run
 under the stock unpickler). Writing: `dumps_metadata` output is protocol 4, names only
@@ -38,9 +38,9 @@ from hp_reference import (
 )
 
 from hpckpt.core import dtypes
-from hpckpt.core import metadata as hm
+from hpckpt.core.codecs import hyperparallel_metadata as hm
 from hpckpt.core.errors import CorruptMetadataError, UnsafePickleError
-from hpckpt.core.unpickle import loads, pickle_globals, safe_global
+from hpckpt.core.safety.unpickle import loads, pickle_globals, safe_global
 
 # --------------------------------------------------------------------------------------------
 # A plain reader into the independent stand-ins of HyperParallel's classes (from `hp_reference`).
@@ -181,7 +181,7 @@ sys.stdout.buffer.write(pickle.dumps(obj, protocol=4))
 
 TORCH_FREE_LOADER = """
 import json, sys
-from hpckpt.core.unpickle import loads
+from hpckpt.core.safety.unpickle import loads
 from hpckpt.core import dtypes
 obj = loads(open(sys.argv[1], "rb").read(), what="torch-written")
 fixture = loads(open(sys.argv[2], "rb").read(), what="fixture")
@@ -308,7 +308,7 @@ def test_forbidden_global_inside_real_metadata_is_refused(tmp_path):
 @pytest.mark.parametrize(("module", "name"), [
     ("builtins", "open"), ("builtins", "__import__"), ("builtins", "compile"), ("builtins", "setattr"),
     ("os", "remove"), ("shutil", "rmtree"), ("pickle", "loads"), ("numpy", "load"), ("torch", "load"),
-    ("torch", "tensor"), ("torch._utils", "_rebuild_tensor_v2"), ("hpckpt.core.unpickle", "loads"),
+    ("torch", "tensor"), ("torch._utils", "_rebuild_tensor_v2"), ("hpckpt.core.safety.unpickle", "loads"),
     ("hyper_parallel.core.distributed_checkpoint.metadata", "os"), ("copyreg", "_reconstructor"),
 ])
 def test_other_callables_are_refused(module, name):

@@ -29,9 +29,9 @@ from typer.testing import CliRunner
 
 from hpckpt import api
 from hpckpt.cli.app import app
-from hpckpt.core import manifest
-from hpckpt.core.box import Box
-from hpckpt.core.layout import LayoutSpec
+from hpckpt.core.commit import manifest
+from hpckpt.core.geometry.box import Box
+from hpckpt.core.geometry.layout import LayoutSpec
 from hpckpt.core.errors import CorruptDataError, DestinationExistsError, HpckptError
 
 FORMATS = ["hyperparallel", "torch-dcp", "torch-save", "safetensors", "hf-sharded", "mindspore-ckpt"]

@@ -32,7 +32,7 @@ from typer.testing import CliRunner
 from hpckpt import api
 from hpckpt.cli.app import app
 from hpckpt.converters import hpckpt_json, open_index
-from hpckpt.core import manifest
+from hpckpt.core.commit import manifest
 
 TINY = REPO / "examples" / "tiny-hp"
 RECORD = manifest.NAME
@@ -313,7 +313,7 @@ def test_the_index_cache_keeps_the_record_s_world_size_and_rereads_a_changed_rec
     from hpckpt.converters.hyperparallel.from_memory import ChunkData, write_checkpoint
     from hpckpt.converters.index_cache import MIN_METADATA_BYTES, cache_dir
     from hpckpt.core import dtypes
-    from hpckpt.core.box import Box
+    from hpckpt.core.geometry.box import Box
 
     n = 36_000  # chunks of one element: a .metadata over the cache's threshold
     out = tmp_path / "big"

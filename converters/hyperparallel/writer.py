@@ -16,7 +16,7 @@ from typing import Any
 
 from hpckpt.converters.base import WriterOptions
 from hpckpt.core.dtypes import DType
-from hpckpt.core.metadata import (
+from hpckpt.core.codecs.hyperparallel_metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -26,11 +26,11 @@ from hpckpt.core.metadata import (
     TensorStorageMetadata,
     dumps_metadata,
 )
-from hpckpt.core.pickle_builder import standalone_pickle
-from hpckpt.core.torch_records import TorchDevice
-from hpckpt.core.output import Extent, FileLayout, Finished, OutputLayout, Placement
-from hpckpt.core.plan import Plan, PlannedTensor
-from hpckpt.core.safetensors_io import encode_header
+from hpckpt.core.codecs.pickle_builder import standalone_pickle
+from hpckpt.core.codecs.torch_records import TorchDevice
+from hpckpt.core.io.output import Extent, FileLayout, Finished, OutputLayout, Placement
+from hpckpt.core.geometry.plan import Plan, PlannedTensor
+from hpckpt.core.codecs.safetensors_io import encode_header
 
 METADATA_NAME = ".metadata"
 

@@ -18,8 +18,8 @@ from hpckpt.converters.naming.entries import Derived
 from hpckpt.converters.naming.presets import DEFAULT_ADAM_BETAS
 from hpckpt.core.errors import EntryMismatchError
 from hpckpt.core.index import CheckpointIndex
-from hpckpt.core.memory_source import MemoryTensor, with_memory_tensors
-from hpckpt.core.read import read_box
+from hpckpt.core.io.memory_source import MemoryTensor, with_memory_tensors
+from hpckpt.core.io.read import read_box
 
 
 def _scalars(index: CheckpointIndex, name: str) -> list[float]:

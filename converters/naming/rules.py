@@ -16,7 +16,7 @@ from hpckpt.converters.naming.presets import DEFAULT_OPTIM_PREFIX, DIRECTIONS, P
 from hpckpt.core import dtypes
 from hpckpt.core.dtypes import DType
 from hpckpt.core.errors import NameRuleError, UnknownFormatError
-from hpckpt.core.rules_file import check_table_keys, parse_rules_toml, read_rules_text
+from hpckpt.core.safety.rules_file import check_table_keys, parse_rules_toml, read_rules_text
 
 _TEMPLATE = re.compile(r"\\(?:(\d{1,2})|g<([^>]*)>|(\\)|(.?))", re.S)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from hpckpt.core.dtypes import DType
-from hpckpt.core.pickle_builder import PickleBuilder
+from hpckpt.core.codecs.pickle_builder import PickleBuilder
 
 _METADATA = "torch.distributed.checkpoint.metadata"
 _FILESYSTEM = "torch.distributed.checkpoint.filesystem"

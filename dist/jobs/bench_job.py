@@ -35,7 +35,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from hpckpt.core.durable import fsync_path
+from hpckpt.core.commit.durable import fsync_path
 
 KINDS = ("save", "async_save", "load")
 NATIVE = {"torch": "torch_dcp", "mindspore": "mindspore"}
@@ -214,7 +214,7 @@ def _check(fw, saved: dict, loaded: dict, who: str, rank: int) -> None:
     """
     import numpy as np
 
-    from hpckpt.dist.jobs.load_job import CheckFailedError
+    from hpckpt.core.errors import CheckFailedError
 
     for (path, want), (_p, got) in zip(_sharded(saved), _sharded(loaded)):
         a = np.ascontiguousarray(fw.to_numpy(want.local, copy=False)).reshape(-1).view(np.uint8)
@@ -290,7 +290,7 @@ class _TorchDCP:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         from hpckpt.core.errors import GeometryError
-        from hpckpt.core.layout.placements import Shard as HpShard
+        from hpckpt.core.geometry.layout.placements import Shard as HpShard
 
         layout = s.layout
         if layout.mesh.ranks != tuple(range(self.ctx.world_size)) or layout.order is not None:

@@ -11,20 +11,13 @@ from __future__ import annotations
 import numpy as np
 
 from hpckpt.converters import open_index
-from hpckpt.core.box import Box
-from hpckpt.core.errors import HpckptError
-from hpckpt.core.read import OpenFiles, read_box
+from hpckpt.core.geometry.box import Box
+from hpckpt.core.errors import CheckFailedError
+from hpckpt.core.io.read import OpenFiles, read_box
 from hpckpt.dist import frameworks
 from hpckpt.dist.flatten import flatten
 from hpckpt.dist.jobs import states
 from hpckpt.dist.jobs.save_job import peak_rss
-
-
-class CheckFailedError(HpckptError):
-    """A loaded box differs from the checkpoint's bytes."""
-
-    exit_code = 23
-    kind = "check-failed"
 
 
 CHECK_TILE_BYTES = 64 * 1024 * 1024  # the second read of a box, a block of rows at a time

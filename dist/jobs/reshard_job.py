@@ -25,33 +25,10 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hpckpt.core.errors import HpckptError
+from hpckpt.core.errors import HpckptError, ReshardOptionError, WorkerFailedError
 
 COORDINATOR = 0
 OLD_MARK = ".hpckpt-tmp-old-"  # the name `core.commit.Staging` gives an output moved aside
-
-
-class ReshardOptionError(HpckptError):
-    """The options name no valid target (the CLI checks them first; a worker may still meet
-    what only the source tells, e.g. --keep-layout of a source without layouts)."""
-
-    exit_code = 2
-    kind = "usage"
-
-
-SECONDARY_KIND = "worker-failed"  # what the other workers report: not a root cause of their own
-
-
-class WorkerFailedError(HpckptError):
-    """A worker's failure, raised on every worker with its message and exit code; its kind on the
-    failing worker, `worker-failed` on the others (so `hpckpt run` names the failing one)."""
-
-    def __init__(self, worker: int, kind: str, exit_code: int, message: str, hint: str | None = None, *,
-                 mine: bool = True):
-        super().__init__(f"worker {worker}: {message}", hint=hint)
-        self.worker = worker
-        self.kind = kind if mine else SECONDARY_KIND
-        self.exit_code = exit_code
 
 
 # -- the share of each worker (pure) -------------------------------------------------------------
@@ -138,7 +115,7 @@ class _Job:
         output and returns the bytes each target rank writes (a plan of a large source takes
         seconds: the others plan only their share, when they write it)."""
         from hpckpt import api
-        from hpckpt.cli import _targets
+        from hpckpt.api.layouts import layout_spec
         from hpckpt.converters import open_index
 
         self.ctx.phase(f"reading metadata of {self.src}")
@@ -146,10 +123,10 @@ class _Job:
         self.ctx.phase("planning")
         s = self.spec
         try:
-            self.layout = _targets.layout_spec(self.index, s.get("world_size"), s.get("split") or "balanced",
+            self.layout = layout_spec(self.index, s.get("world_size"), s.get("split") or "balanced",
                                                s.get("mesh"), s.get("placements"), s.get("rules"),
                                                s.get("layout_files"), bool(s.get("keep_layout")))
-        except Exception as exc:  # ValueError, typer.BadParameter: the options, not the data
+        except Exception as exc:  # ValueError: the options, not the data
             if isinstance(exc, HpckptError):
                 raise
             raise ReshardOptionError(str(getattr(exc, "message", None) or exc)) from None
@@ -163,8 +140,8 @@ class _Job:
     def prepare(self) -> None:
         """The coordinator, before any share is written: refuse an existing destination (or, with
         --force, move an output hpckpt recognises aside, put back if the run fails)."""
-        from hpckpt.core.destination import refuse_existing, refuse_staging_name
-        from hpckpt.core.lock import DestinationLock, ReplaceLock
+        from hpckpt.core.commit.destination import refuse_existing, refuse_staging_name
+        from hpckpt.core.commit.lock import DestinationLock, ReplaceLock
 
         refuse_staging_name(self.dst)
         if not os.path.lexists(self.dst):
@@ -207,7 +184,7 @@ class _Job:
 
     def undo(self) -> None:
         """The coordinator, after a failure: nothing of this run left, the old output back."""
-        from hpckpt.core.lock import DestinationLock
+        from hpckpt.core.commit.lock import DestinationLock
 
         if self.created and os.path.lexists(self.dst):
             with DestinationLock(self.dst):  # every share has let its lock go
@@ -223,7 +200,7 @@ def _ranks_text(ranks: Sequence[int]) -> str:
 
 def run(spec: dict, ctx) -> dict:
     """This worker's part of `hpckpt run ... reshard`; returns its figures."""
-    from hpckpt.core.lock import reading
+    from hpckpt.core.commit.lock import reading
 
     started = time.perf_counter()
     coordinator = ctx.rank == COORDINATOR

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from hpckpt.api import parse_size
 from hpckpt.core.dtypes import dtype as parse_dtype
-from hpckpt.core.destination import refuse_existing
-from hpckpt.core.errors import HpckptError
+from hpckpt.core.commit.destination import refuse_existing
+from hpckpt.core.errors import InjectedFailure
 from hpckpt.converters import open_index
 from hpckpt.dist import frameworks
 from hpckpt.dist.jobs import states
@@ -19,13 +19,6 @@ from hpckpt.dist.jobs import states
 def peak_rss() -> int:
     """This process's peak resident memory, bytes."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-class InjectedFailure(HpckptError):
-    """`--fail-rank`: the failure a test asks one rank to have, while it writes."""
-
-    exit_code = 1
-    kind = "injected-failure"
 
 
 class _FailingProgress:

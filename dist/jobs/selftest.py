@@ -12,15 +12,9 @@ import signal
 import socket
 import time
 
-from hpckpt.core.errors import HpckptError
+from hpckpt.core.errors import HpckptError, SelftestFailure
 
 PROGRESS_STEPS = 8
-
-
-class SelftestFailure(HpckptError):
-    """The failure `--fail-rank R` asks rank R for: the base error's exit code (1), a kind of its own."""
-
-    kind = "selftest-failure"
 
 
 def run(spec: dict, ctx) -> dict:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpckpt.core.box import Box
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.dtypes import DType, dtype as parse_dtype
 
 MOMENT = parse_dtype("float32")

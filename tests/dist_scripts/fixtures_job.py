@@ -205,7 +205,7 @@ def load_in_saved_layout(fixture: Path, rank: int) -> dict:
     (`expected.layout.json`): HyperParallel's balanced and ceil splits, 2x2 meshes, as plain tensors
     carrying `chunk_info` (the boxes HyperParallel's own layout gives this rank); a ragged layout
     that gives this rank several boxes is loaded whole instead (one tensor holds one box)."""
-    from hpckpt.core.layout import LayoutSpec, Mesh, parse_placements
+    from hpckpt.core.geometry.layout import LayoutSpec, Mesh, parse_placements
 
     spec = json.loads((fixture / "expected.layout.json").read_text())["tensors"]
     full = load_file(str(fixture / "expected.safetensors"))

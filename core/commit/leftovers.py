@@ -1,0 +1,188 @@
+"""What unfinished hpckpt runs leave beside a destination, named so that it is never read as a
+checkpoint: staging directories `.NAME.hpckpt-tmp-PID`, an old output moved aside
+(`-old-PID`), lock files, sidecars linked before their file. `leftover` explains one (with the
+command that removes it) for `inspect` and `verify`; `remove_stale_staging` is what the next run
+on the same destination removes (dead pids only, names compared exactly).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+from hpckpt.core.commit.lock import LOCK_SUFFIX, holder
+
+
+TMP_MARK = ".hpckpt-tmp-"
+FRAGMENT_DIR = ".hpckpt-fanout"
+DIST_MARK = "dist"  # `.NAME.hpckpt-tmp-dist`: the staging directory all ranks of a live save share
+
+# `.NAME.hpckpt-tmp-dist` is removed by the next live save's coordinator (it holds the lock), not
+# by offline runs: its writers are processes of another job, perhaps on other machines.
+# `.NAME.hpckpt-tmp-PID` (staging), `.NAME.hpckpt-tmp-old-PID` (moved aside), and inside a fan-out
+# directory `.hpckpt-tmp-PID` (a job's staging) and `.hpckpt-tmp-PID-FILE` (a file being published)
+_STAGING_NAME = re.compile(rf"^(?:\..+)?{re.escape(TMP_MARK)}(?:(old-)?(\d+)(?:-.+)?|{DIST_MARK})$", re.DOTALL)
+
+
+def staging_directory(path: Path) -> Path | None:
+    """The hpckpt staging directory `path` is (or lies in), or None: what a run that did not
+    finish leaves behind must never be read as a checkpoint."""
+    for part in (path, *path.parents):
+        if _STAGING_NAME.match(part.name):
+            return part
+    return None
+
+
+def _alive(pid: int) -> bool:
+    """True when a process `pid` exists (its staging directory may be in use)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _run(pid: int | None) -> str:
+    if pid is None:
+        return "pid unknown"
+    return f"pid {pid}, {'still running' if _alive(pid) else 'no longer running'}"
+
+
+def _remove_hint(path: Path, pid: int | None) -> str:
+    if pid is not None and _alive(pid):
+        return "; that run is still writing it: wait for it to finish"
+    return f"; remove it with `rm {'-r ' if path.is_dir() else ''}{shlex.quote(str(path))}` or rerun the command"
+
+
+def leftover(path: Path) -> str | None:
+    """What an unfinished (or running) hpckpt run left at `path`, said in one line with the
+    command that removes it, for `inspect` and `verify`; None for anything else."""
+    path = Path(path).absolute()
+    staging = staging_directory(path)
+    if staging is not None:
+        match = _STAGING_NAME.match(staging.name)
+        pid = int(match.group(2)) if match.group(2) else None
+        if pid is None:
+            return (f"{staging} is the staging directory of an unfinished distributed save (hpckpt.dist); the next "
+                    f"save to the same path removes it, or remove it with `rm -r {shlex.quote(str(staging))}`")
+        what = ("the previous output, moved aside by an hpckpt run that replaced it" if match.group(1) else
+                "the staging directory of an unfinished hpckpt run" if staging.is_dir() else
+                "a temporary file of an unfinished hpckpt run")
+        return f"{staging} is {what} ({_run(pid)}){_remove_hint(staging, pid)}"
+    if path.name.startswith(".") and path.name.endswith(LOCK_SUFFIX) and path.is_file():
+        pid = holder(path)
+        return f"{path} is the lock file of an hpckpt run ({_run(pid)}){_remove_hint(path, pid)}"
+    owner = _sidecar_owner(path)
+    if owner is not None and path.is_file() and not os.path.lexists(owner):
+        kind = "manifest" if path.name.endswith(".hpckpt-manifest.jsonl") else "values sidecar"
+        return (f"{path} is the {kind} of {owner}, which does not exist (an hpckpt run that did not "
+                f"finish, or the file was removed); remove it with `rm {shlex.quote(str(path))}` or rerun the command")
+    return None
+
+
+def _sidecar_owner(path: Path) -> Path | None:
+    from hpckpt.converters.values_sidecar import owner_of  # converters import this module
+
+    name = owner_of(path.name)
+    return path.with_name(name) if name else None
+
+
+def _sidecars_of(name: str) -> tuple[str, ...]:
+    from hpckpt.converters.values_sidecar import sidecars_of
+
+    return sidecars_of(name)
+
+
+
+# -- what killed runs left --------------------------------------------------------------------
+
+
+def _leftovers_of(dest: Path) -> list[tuple[Path, bool, int]]:
+    """`(path, moved aside, pid)` of the staging names of `dest` in its directory; names are
+    compared exactly, never as glob patterns."""
+    prefix = f".{dest.name}{TMP_MARK}"
+    try:
+        names = os.listdir(dest.parent)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        if name.startswith(prefix):
+            tail = name[len(prefix):]
+            pid = tail.removeprefix("old-")
+            if pid.isdigit() and pid.isascii():
+                found.append((dest.parent / name, pid != tail, int(pid)))
+    return found
+
+
+def _dead(pid: int) -> bool:
+    # ours is stale too: this run has not made its own yet (the pid of a killed run, reused)
+    return pid == os.getpid() or not _alive(pid)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def remove_stale_staging(dest: Path, file_output: bool = False) -> None:
+    """Remove what killed runs left for `dest` (their process is gone): staging directories and
+    the sidecars of a single-file output they had linked into place; an old output a killed run
+    had moved aside to replace it, with nothing in its place yet, is put back."""
+    stale = [(path, aside) for path, aside, pid in _leftovers_of(dest) if _dead(pid)]
+    for path, aside in sorted(stale, key=lambda s: s[1]):  # staging first: its sidecars go before the old come back
+        if aside:
+            _put_back(path, dest, file_output)
+        elif file_output and path.is_dir():
+            _unplace_sidecars(path, dest)
+        if os.path.lexists(path):
+            _remove(path)
+
+
+def _unplace_sidecars(staging: Path, dest: Path) -> None:
+    """The sidecars a run linked next to `dest` before it could rename the file in (its staging
+    directory still holds the file): the same inode in both places."""
+    if not (staging / dest.name).exists():
+        return
+    for name in os.listdir(staging):
+        placed = dest.parent / name
+        if name != dest.name and os.path.lexists(placed) and os.path.samefile(placed, staging / name):
+            placed.unlink()
+
+
+def _put_back(trash: Path, dest: Path, file_output: bool) -> None:
+    """The old output, moved aside to `trash`, back in place when no new one took it."""
+    if os.path.lexists(dest):
+        return  # the new output is in place: the old one goes
+    if not file_output:
+        os.rename(trash, dest)
+        return
+    if (trash / dest.name).exists():
+        for name in sorted(os.listdir(trash), key=lambda n: n == dest.name):  # sidecars first, the file last
+            if not os.path.lexists(dest.parent / name):  # (a sidecar not moved yet is the old one)
+                os.rename(trash / name, dest.parent / name)
+
+
+def remove_stale_temporaries(directory: Path) -> None:
+    """Inside a fan-out directory: the staging directories and half-published files of jobs
+    that were killed (`.hpckpt-tmp-PID`, `.hpckpt-tmp-PID-NAME`)."""
+    for folder in (directory, directory / FRAGMENT_DIR):
+        try:
+            names = os.listdir(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for name in names:
+            match = _STAGING_NAME.match(name)
+            if name.startswith(TMP_MARK) and match and match.group(2) and not match.group(1) \
+                    and _dead(int(match.group(2))):
+                _remove(folder / name)

@@ -1,0 +1,200 @@
+"""The plan: which box of which tensor each target rank stores, in a form no format owns.
+
+A plan is frozen plain data (boxes, ranks, dtypes, names), the same on every machine for the same
+inputs: that is what lets `reshard --rank` fan one job out over many machines and still produce
+byte-identical output, and what lets every writer (HyperParallel, PyTorch DCP, safetensors, ...)
+lay out the same plan in its own files. It holds no file name, no metadata class, no pickle.
+
+Planning a tensor: its target layout is validated once; every rank's boxes come at once from
+`core.rank_boxes`; a box held by one rank is stored by it, a replicated box (several holders)
+by the least-loaded holder, largest boxes first, as HyperParallel's own de-dup does; each
+tensor's boxes are then listed rank-major (the order HyperParallel's metadata uses, `index` =
+position). The cost grows with tensors + target boxes, not with tensors x ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Protocol
+
+import numpy as np
+
+from hpckpt.core.geometry.box import Box
+from hpckpt.core.io.cast import CASTABLE
+from hpckpt.core.dtypes import DType
+from hpckpt.core.index import CheckpointIndex, TensorEntry
+from hpckpt.core.geometry.layout import Mesh, Replicate, TensorLayout
+from hpckpt.core.geometry.rank_boxes import RankBoxes, rank_boxes
+
+
+class TargetLayouts(Protocol):
+    """What the planner needs of a target: each tensor's layout (`core.layout.LayoutSpec`)."""
+
+    def resolve(self, fqn: str, shape: tuple[int, ...]): ...
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedBox:
+    """One stored box: its region (global coordinates), the rank that stores it and its position
+    in the tensor's chunk list."""
+
+    box: Box
+    rank: int
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedValue:
+    """A non-tensor value carried over, stored by `rank`."""
+
+    fqn: str
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """A tensor of the target: dtype as written (`source_dtype` when read: the engine casts where
+    they differ) and its stored boxes, rank-major."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: DType
+    source_dtype: DType
+    boxes: tuple[PlannedBox, ...]
+
+    def box_nbytes(self, planned: PlannedBox) -> int:
+        return planned.box.volume * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every tensor box and value of a target checkpoint of `world_size` ranks.
+
+    `producing` are the ranks whose files this run writes (all of them, unless fanned out); the
+    plan always describes every rank, since the metadata does. `nesting` maps a flat name to its
+    key path in the nested state dict, where the source knew it.
+    """
+
+    world_size: int
+    tensors: tuple[PlannedTensor, ...]
+    values: tuple[PlannedValue, ...]
+    producing: tuple[int, ...]
+    nesting: Mapping[str, tuple] = field(default_factory=dict)
+
+    @cached_property
+    def by_rank(self) -> dict[int, list[tuple[PlannedTensor, PlannedBox]]]:
+        """Each rank's stored boxes in the order its file lists them: tensor order, then offsets."""
+        out: dict[int, list[tuple[PlannedTensor, PlannedBox]]] = {}
+        for tensor in self.tensors:
+            for planned in tensor.boxes:
+                out.setdefault(planned.rank, []).append((tensor, planned))
+        return {rank: out[rank] for rank in sorted(out)}
+
+    def values_of(self, rank: int) -> list[PlannedValue]:
+        return [v for v in self.values if v.rank == rank]
+
+    def nbytes(self, rank: int | None = None) -> int:
+        """Bytes of tensor data stored by `rank` (all ranks when None)."""
+        items = self.by_rank.get(rank, []) if rank is not None else [
+            (t, b) for t in self.tensors for b in t.boxes]
+        return sum(t.box_nbytes(b) for t, b in items)
+
+
+def out_dtype(source: DType, cast_to: DType | None) -> DType:
+    """The dtype a tensor is written in: `cast_to` for floating tensors, else its own."""
+    return cast_to if cast_to is not None and source.name in CASTABLE else source
+
+
+def _owners(boxes: list[RankBoxes], itemsizes: list[int], world_size: int) -> list[np.ndarray]:
+    """The storing rank of every box: its holder when it has one, else the least-loaded holder,
+    largest boxes first (ties: tensor order, then first appearance), lowest rank on equal load."""
+    load = np.zeros(world_size, np.int64)
+    owners: list[np.ndarray] = []
+    shared: list[tuple[int, int, int]] = []
+    for t, (grid, itemsize) in enumerate(zip(boxes, itemsizes)):
+        nbytes = (np.prod(grid.sizes, axis=1) if grid.sizes.shape[1] else np.ones(len(grid), np.int64)) * itemsize
+        single = grid.counts == 1
+        owner = np.where(single, grid.ranks[grid.starts] if len(grid) else 0, -1)
+        np.add.at(load, owner[single], nbytes[single])
+        owners.append(owner)
+        shared += [(-int(nbytes[i]), t, i) for i in np.flatnonzero(~single).tolist()]
+    shared.sort()
+    for neg_bytes, t, i in shared:
+        holders = boxes[t].holders(i)
+        if len(holders) <= 16:
+            best = min(holders.tolist(), key=lambda r: (load[r], r))
+        else:
+            best = int(holders[np.argmin(load[holders])])
+        owners[t][i] = best
+        load[best] -= neg_bytes
+    return owners
+
+
+def _listed_rank_major(grid: RankBoxes, owner: np.ndarray) -> tuple[PlannedBox, ...]:
+    ndim = grid.offsets.shape[1]
+    order = np.lexsort(tuple(grid.offsets[:, d] for d in reversed(range(ndim))) + (owner,))
+    offsets, sizes, ranks = grid.offsets[order].tolist(), grid.sizes[order].tolist(), owner[order].tolist()
+    return tuple(PlannedBox(Box(tuple(o), tuple(s)), r, i) for i, (o, s, r) in enumerate(zip(offsets, sizes, ranks)))
+
+
+def make_plan(index: CheckpointIndex, layouts: TargetLayouts, world_size: int, *,
+              names: Iterable[str] | None = None, ranks: Iterable[int] | None = None,
+              cast_to: DType | None = None, casts: Mapping[str, DType] | None = None) -> Plan:
+    """Plan `index` onto `world_size` target ranks laid out by `layouts`.
+
+    `names` restricts the tensors and values carried over (default: all, in the index's order);
+    `ranks` restricts the ranks this run writes (fan-out). `cast_to` casts floating tensors,
+    `casts` (fqn -> dtype) single ones, over `cast_to`.
+
+    Raises:
+        GeometryError: a target layout does not fit its tensor.
+    """
+    wanted = None if names is None else set(names)
+    entries: list[TensorEntry] = [e for fqn, e in index.tensors.items() if wanted is None or fqn in wanted]
+    grids = [rank_boxes(layouts.resolve(e.fqn, e.shape), e.shape) for e in entries]
+    owners = _owners(grids, [e.dtype.itemsize for e in entries], world_size)
+    casts = casts or {}
+    tensors = tuple(
+        PlannedTensor(e.fqn, tuple(e.shape), out_dtype(e.dtype, casts.get(e.fqn, cast_to)), e.dtype,
+                      _listed_rank_major(grid, owner))
+        for e, grid, owner in zip(entries, grids, owners))
+    values = tuple(PlannedValue(fqn) for fqn in index.values if wanted is None or fqn in wanted)
+    kept = {t.fqn for t in tensors} | {v.fqn for v in values}
+    nesting = {fqn: path for fqn, path in (index.planner_data or {}).items() if fqn in kept}
+    producing = tuple(range(world_size)) if ranks is None else tuple(sorted(set(ranks)))
+    return Plan(world_size, tensors, values, producing, nesting)
+
+
+class _Whole:
+    """Every tensor whole on one rank: what consolidation writes."""
+
+    def resolve(self, fqn: str, shape: tuple[int, ...]) -> TensorLayout:
+        return TensorLayout(Mesh((1,)), (Replicate(),))
+
+
+def whole_tensor_plan(index: CheckpointIndex, *, names: Iterable[str] | None = None,
+                      cast_to: DType | None = None, casts: Mapping[str, DType] | None = None) -> Plan:
+    """One rank holding every selected tensor whole, in the index's order."""
+    return make_plan(index, _Whole(), 1, names=names, cast_to=cast_to, casts=casts)
+
+
+def plan_as_given(tensors: Mapping[str, tuple[DType, tuple[int, ...], list[tuple[int, Box]]]], world_size: int, *,
+                  values: Iterable[PlannedValue] = (), nesting: Mapping[str, tuple] | None = None,
+                  producing: Iterable[int] | None = None) -> Plan:
+    """A plan whose boxes are placed by the caller: `tensors[fqn] = (dtype, shape, [(rank, box)])`,
+    as a running job holds them (each rank's own shards) or a test lays them out.
+
+    Each rank's boxes keep the order given, empty ones included, as HyperParallel records them,
+    except an empty box that starts where a non-empty one does (it would share its metadata key).
+    """
+    planned = []
+    for fqn, (dtype, shape, placed) in tensors.items():
+        starts = {box.offsets for _rank, box in placed if not box.is_empty}
+        kept = [(rank, box) for rank, box in placed if not (box.is_empty and box.offsets in starts)]
+        by_rank = sorted(range(len(kept)), key=lambda i: kept[i][0])  # stable: the given order within a rank
+        boxes = tuple(PlannedBox(kept[i][1], kept[i][0], n) for n, i in enumerate(by_rank))
+        planned.append(PlannedTensor(fqn, tuple(shape), dtype, dtype, boxes))
+    ranks = tuple(range(world_size)) if producing is None else tuple(sorted(set(producing)))
+    return Plan(world_size, tuple(planned), tuple(values), ranks, dict(nesting or {}))

@@ -1,0 +1,267 @@
+"""Structural checks of a checkpoint (`hpckpt verify`): every finding, not just the first.
+
+Checks, in order: data files inside the checkpoint, present and readable; safetensors headers
+well formed; every chunk inside its tensor, and the chunks of each tensor covering it exactly
+(identical replicas allowed; gaps and overlaps reported as boxes); every tensor key present in its
+file with the dtype and shape the metadata says; every value's byte range inside its file and
+decodable by the safe unpickler; tensors of a dtype hpckpt refuses (quantized, shell dtypes);
+files left by an interrupted save.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hpckpt.core import dtypes
+from hpckpt.core.geometry.box import Box
+from hpckpt.core.io.checksums import check_source
+from hpckpt.core.errors import EXIT_CODE_BY_KIND, HpckptError, InterruptedSaveError
+from hpckpt.core.index import CheckpointIndex, TensorEntry
+from hpckpt.core.geometry.overlap import ChunkIndex, boxes_to_arrays
+from hpckpt.core.paths import resolve_inside
+
+MAX_GRID_CELLS = 4_000_000  # coverage is checked on a grid of distinct chunk boundaries
+MAX_BOXES_PER_FINDING = 8
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str  # an error kind from core.errors ("missing-file", "geometry", ...)
+    severity: str  # "error" or "warning"
+    message: str
+    fqn: str | None = None
+    file: str | None = None
+    boxes: tuple[str, ...] = ()
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODE_BY_KIND[self.kind]
+
+    def to_json(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+
+
+def exit_code(findings: list[Finding], strict: bool = False) -> int:
+    """0 when clean; else the lowest (most fundamental) exit code among the errors."""
+    codes = [f.exit_code for f in findings if f.severity == "error" or strict]
+    return min(codes) if codes else 0
+
+
+def _error(exc: HpckptError, **where: str | None) -> Finding:
+    return Finding(exc.kind, "error", exc.message, **where)
+
+
+def validate(index: CheckpointIndex) -> list[Finding]:
+    """Return every structural finding about `index` (an empty list means the checkpoint is sound)."""
+    findings: list[Finding] = []
+    bad_files = _check_files(index, findings)
+    checksums: dict[tuple, str] = {}
+    for entry in index.tensors.values():
+        _check_tensor(index, entry, bad_files, findings, checksums)
+    findings.extend(_check_checksums(checksums))
+    noted = len(index.warnings)
+    for fqn, value in index.values.items():
+        if value.file in bad_files:
+            continue
+        try:
+            index.decode_value(fqn)
+        except HpckptError as exc:
+            findings.append(_error(exc, fqn=fqn, file=value.file))
+    # what reading the values made the reader warn of (a value that is no pickle, read as bytes)
+    findings.extend(Finding("corrupt-data", "warning", note) for note in index.warnings[noted:])
+    findings.extend(_leftovers(index.root))
+    return findings
+
+
+def _check_files(index: CheckpointIndex, findings: list[Finding]) -> set[str]:
+    """Check each referenced data file once; return those unusable, so entries are not re-reported."""
+    bad: set[str] = set()
+    for name in index.data_files:
+        try:
+            path = resolve_inside(index.root, name)
+        except HpckptError as exc:
+            findings.append(_error(exc, file=name))
+            bad.add(name)
+            continue
+        if not path.is_file() or not os.access(path, os.R_OK):
+            what = "is missing" if not path.exists() else "cannot be read"
+            findings.append(Finding("missing-file", "error", f"{name}: data file {what}", file=name))
+            bad.add(name)
+            continue
+        try:
+            problems = index.locator.file_problems(name)
+        except HpckptError as exc:
+            findings.append(_error(exc, file=name))
+            bad.add(name)
+            continue
+        for problem in problems:
+            findings.append(Finding("corrupt-data", "error", f"{name}: {problem}", file=name))
+        if problems:
+            bad.add(name)
+    return bad
+
+
+def _check_checksums(checksums: dict[tuple, str]) -> list[Finding]:
+    """The CRC-32 of every byte range its format records one for (torch.save storages), each once."""
+    findings = []
+    for (path, offset, nbytes, crc), fqn in checksums.items():
+        try:
+            check_source(path, offset, nbytes, crc)
+        except HpckptError as exc:
+            findings.append(_error(exc, fqn=fqn, file=path.name))
+    return findings
+
+
+def _check_tensor(index: CheckpointIndex, entry: TensorEntry, bad_files: set[str], findings: list[Finding],
+                  checksums: dict[tuple, str]) -> None:
+    refused = entry.dtype.refusal is not None  # quantized, shell dtypes: sound files hpckpt cannot copy
+    if refused:
+        exc = dtypes.refuse(entry.dtype, entry.fqn)
+        findings.append(Finding(exc.kind, "error", exc.message, fqn=entry.fqn))
+    inside = []
+    for i, chunk in enumerate(entry.chunks):
+        if not chunk.box.inside(entry.shape):
+            findings.append(Finding(
+                "geometry", "error",
+                f"{entry.fqn}: chunk {i} {chunk.box} lies outside the tensor's shape {list(entry.shape)}",
+                fqn=entry.fqn, file=chunk.file, boxes=(str(chunk.box),),
+            ))
+            continue
+        inside.append(chunk.box)
+        if chunk.file in bad_files or refused:
+            continue
+        try:
+            loc = index.locate(chunk, entry)
+        except HpckptError as exc:
+            findings.append(_error(exc, fqn=entry.fqn, file=chunk.file))
+            continue
+        if getattr(loc, "checksum", None) is not None:
+            checksums.setdefault((loc.path, *loc.checksum), entry.fqn)
+    findings.extend(_coverage(entry, inside))
+
+
+def _coverage(entry: TensorEntry, boxes: list[Box]) -> list[Finding]:
+    shape = entry.shape
+    if not shape:
+        if boxes:
+            return []
+        return [Finding("geometry", "error", f"{entry.fqn}: 0-d tensor has no stored chunk", fqn=entry.fqn)]
+    if math.prod(shape) == 0:
+        return []
+    distinct = sorted({b for b in boxes if not b.is_empty}, key=lambda b: (b.offsets, b.sizes))
+    if _tiles_one_dim(distinct, shape):
+        return []
+    cuts = [sorted({0, n} | {b.offsets[d] for b in distinct} | {b.ends[d] for b in distinct})
+            for d, n in enumerate(shape)]
+    grid = tuple(len(c) - 1 for c in cuts)
+    if math.prod(grid) > MAX_GRID_CELLS:  # too many cells: count elements, which is exact without overlaps
+        findings = []
+        finder = ChunkIndex(len(shape), *boxes_to_arrays(distinct, len(shape)))
+        if len(finder.overlapping):
+            findings.append(Finding("geometry", "error", f"{entry.fqn}: {len(finder.overlapping)} different "
+                                    "chunks overlap another (holes they may hide are not located)", fqn=entry.fqn))
+        covered = sum(b.volume for b in distinct)
+        if covered != math.prod(shape):
+            findings.append(Finding("geometry", "error",
+                            f"{entry.fqn}: chunks hold {covered} elements, the tensor has {math.prod(shape)}",
+                            fqn=entry.fqn))
+        return findings
+    counts = np.zeros(grid, dtype=np.int32)
+    for b in distinct:
+        counts[tuple(slice(bisect.bisect_left(c, o), bisect.bisect_left(c, e))
+                     for c, o, e in zip(cuts, b.offsets, b.ends))] += 1
+    findings = []
+    gaps, more = _cells_to_boxes(counts == 0, cuts)
+    if gaps:
+        findings.append(Finding(
+            "geometry", "error",
+            f"{entry.fqn}: no chunk covers {', '.join(map(str, gaps))}" + (f" (and {more} more)" if more else ""),
+            fqn=entry.fqn, boxes=tuple(map(str, gaps)),
+        ))
+    overlaps, more = _cells_to_boxes(counts > 1, cuts)
+    if overlaps:
+        findings.append(Finding(
+            "geometry", "error",
+            f"{entry.fqn}: different chunks overlap at {', '.join(map(str, overlaps))}" + (f" (and {more} more)" if more else ""),
+            fqn=entry.fqn, boxes=tuple(map(str, overlaps)),
+        ))
+    return findings
+
+
+def _tiles_one_dim(boxes: list[Box], shape: tuple[int, ...]) -> bool:
+    """Fast path for the common layouts (row or column shards): full extent in every dimension
+    but one, and intervals along that one meeting end to end from 0 to its size."""
+    split = [d for d in range(len(shape)) if any(b.sizes[d] != shape[d] for b in boxes)]
+    if len(split) > 1:
+        return False
+    d = split[0] if split else 0
+    if any(any(b.offsets[k] != 0 for k in range(len(shape)) if k != d) for b in boxes):
+        return False
+    position = 0
+    for b in sorted(boxes, key=lambda b: b.offsets[d]):
+        if b.offsets[d] != position:
+            return False
+        position += b.sizes[d]
+    return position == shape[d]
+
+
+def _cells_to_boxes(mask: np.ndarray, cuts: list[list[int]]) -> tuple[list[Box], int]:
+    """Merge marked grid cells into a few maximal boxes (greedy), in global coordinates."""
+    mask = mask.copy()
+    boxes: list[Box] = []
+    while mask.any() and len(boxes) < MAX_BOXES_PER_FINDING:
+        start = [int(i) for i in np.argwhere(mask)[0]]
+        end = [s + 1 for s in start]
+        for d in reversed(range(mask.ndim)):
+            while end[d] < mask.shape[d]:
+                grown = tuple(slice(s, e + 1 if k == d else e) for k, (s, e) in enumerate(zip(start, end)))
+                if not mask[grown].all():
+                    break
+                end[d] += 1
+        mask[tuple(slice(s, e) for s, e in zip(start, end))] = False
+        boxes.append(Box(tuple(cuts[d][s] for d, s in enumerate(start)),
+                         tuple(cuts[d][e] - cuts[d][s] for d, (s, e) in enumerate(zip(start, end)))))
+    remaining = 0
+    if mask.any():
+        remaining = int(mask.sum())  # cells, an upper bound on the boxes left unreported
+    return boxes, remaining
+
+
+def refuse_interrupted(index: CheckpointIndex) -> None:
+    """A writing command reads a checkpoint only if no save into it is unfinished: its data
+    files may already hold the next step's bytes under the old `.metadata`.
+
+    Raises:
+        InterruptedSaveError: the files `verify` reports as an error of kind interrupted-save.
+    """
+    if not isinstance(index.root, Path) or not index.root.is_dir():
+        return
+    errors = [f for f in _leftovers(index.root) if f.severity == "error"]
+    if errors:
+        raise InterruptedSaveError(f"{index.root}: {errors[0].message}" + (f" (and {len(errors) - 1} more)"
+                                   if len(errors) > 1 else ""),
+                                   hint="its data files may hold a newer step than its .metadata says: "
+                                        "finish or remove that save first")
+
+
+def _leftovers(root: Path) -> list[Finding]:
+    findings = []
+    for path in sorted(root.glob("LOCAL_PLAN_*.pkl")):
+        findings.append(Finding(
+            "interrupted-save", "warning",
+            f"{path.name}: plan file left by a storage-coordinated async save (harmless once .metadata exists)",
+            file=path.name,
+        ))
+    for path in sorted(root.glob("STORAGE_DATA_*.pkl")):
+        findings.append(Finding(
+            "interrupted-save", "error",
+            f"{path.name}: write results of a save that did not finish (rank 0 deletes these when it completes)",
+            file=path.name,
+        ))
+    return findings
