@@ -9,20 +9,11 @@ from typing import Any, Callable
 
 import typer
 
+from hpckpt.cli import _output
 from hpckpt.core.errors import HpckptError, NoSpaceError
 
 INTERNAL_ERROR = 1
 INTERRUPTED = 130
-
-_state = {"debug": False}
-
-
-def set_debug(enabled: bool) -> None:
-    _state["debug"] = enabled
-
-
-def debug_enabled() -> bool:
-    return _state["debug"]
 
 
 def print_error(message: str, hint: str | None = None, *, kind: str = "internal",
@@ -30,8 +21,6 @@ def print_error(message: str, hint: str | None = None, *, kind: str = "internal"
     """One `error:` line (and maybe one `hint:`): names from a checkpoint inside the message are
     escaped here, so a name holding a newline or terminal codes cannot forge a line. In --json
     mode stdout gets the run's one document too, `"ok": false` with the error in it."""
-    from hpckpt.cli import _output
-
     sys.stderr.write(f"error: {_output.printable(message)}\n")
     if hint:
         sys.stderr.write(f"hint: {_output.printable(hint)}\n")
@@ -86,7 +75,7 @@ def handles_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         except (typer.Exit, typer.Abort, typer.TyperException):
             raise  # typer's own: exits, aborts and usage errors (exit 2)
         except HpckptError as exc:
-            if debug_enabled():
+            if _output.debug():
                 raise
             print_error(exc.message, exc.hint, kind=exc.kind, exit_code=exc.exit_code)
             raise typer.Exit(exc.exit_code) from None
@@ -97,7 +86,7 @@ def handles_errors(command: Callable[..., Any]) -> Callable[..., Any]:
             sys.stderr.close()  # the reader went away (`| head`): not an error of ours
             raise typer.Exit(0) from None
         except Exception as exc:  # noqa: BLE001 - the last line of defence
-            if debug_enabled():
+            if _output.debug():
                 raise
             if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):  # a full disk outside the writing path
                 print_error(f"no space left on device ({exc.filename or exc.strerror})", kind=NoSpaceError.kind,

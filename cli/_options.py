@@ -1,10 +1,11 @@
 """Options several commands share, declared once (typer `Annotated` aliases), so their names and
-help read the same everywhere.
+help read the same everywhere; the options that travel together are grouped in
+`cli._option_groups`.
 
 An option with a fixed set of values is a `Literal`: typer makes it a choice, so `--help` lists
 the values, the completion scripts offer them and a wrong one exits 2 naming the valid ones.
 The output options (`--json`, `--quiet`, `--no-progress`, `--debug`) are accepted before the
-command and after it; either place sets the one state `cli._output` and `cli._errors` read.
+command and after it; either place sets the one state `cli._output` holds.
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ SkipUnsupported = Annotated[bool, typer.Option(
 Framework = Annotated[Optional[FrameworkName], typer.Option(
     "--framework", help="dtype strings as torch or mindspore writes them (default: the source's).")]
 
+Source = Annotated[Path, typer.Argument(help="Source checkpoint (any format hpckpt reads).")]
+
 WorldSize = Annotated[Optional[int], typer.Option(
     "--world-size", "-w", min=1, help="FSDP-style target: dim 0 split over N ranks.")]
 Split = Annotated[SplitRule, typer.Option("--split", help="Uneven split rule: balanced (HyperParallel) or ceil (PyTorch).")]
@@ -91,3 +94,4 @@ LayoutRules = Annotated[Optional[Path], typer.Option(
     "--layout-rules", help="TOML file of per-tensor placements (see README).")]
 LayoutFiles = Annotated[Optional[List[Path]], typer.Option(
     "--layout-file", help="HyperParallel .layout JSON (repeatable).")]
+KeepLayout = Annotated[bool, typer.Option("--keep-layout", help="Keep each tensor's layout; change only the mesh size.")]

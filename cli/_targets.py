@@ -1,4 +1,5 @@
-"""Turning command-line options into the library's typed objects (layouts, settings, selections).
+"""Turning command-line options into the library's typed objects (layouts, formats, ranks; the
+write settings and selections come from the option groups, `cli._option_groups`).
 
 Only parsing happens here: a wrong combination is a usage error (exit 2) that names the options.
 """
@@ -25,20 +26,6 @@ def layout_spec(src, world_size, split, mesh, placements, rules, layout_files, k
 
     check_layout_options(world_size, mesh, placements, rules, layout_files, keep_layout)
     return spec(src, world_size, split, mesh, placements, rules, layout_files, keep_layout)
-
-
-def settings(jobs, max_memory: str, no_fsync: bool, force: bool, progress=None, parents: bool = False):
-    """How to write, from the options every writing command has."""
-    from hpckpt.api import WriteSettings, parse_size
-
-    return WriteSettings(jobs=jobs, max_memory=parse_size(max_memory), sync=not no_fsync, force=force,
-                         progress=progress, parents=parents)
-
-
-def selection(include, exclude):
-    from hpckpt.api import Selection
-
-    return Selection.of(include, exclude)
 
 
 def open_source(src, progress):
@@ -74,3 +61,17 @@ def output_format(given: str | None, out, option: str, default: str | None = Non
         raise typer.BadParameter(f"{given!r} writes {chosen.name}, but the extension of {out} ({Path(out).suffix}) "
                                  f"names {by_extension.name}; drop one of them or make them agree", param_hint=option)
     return chosen
+
+
+def parse_ranks(values: list[str] | None) -> list[int] | None:
+    """`--rank 3 --rank 8-15` -> [3, 8, 9, ..., 15]."""
+    if not values:
+        return None
+    ranks: set[int] = set()
+    for value in values:
+        for part in value.split(","):
+            first, _, last = part.partition("-")
+            if not first.strip().isdigit() or (last and not last.strip().isdigit()):
+                raise ValueError(f"--rank takes numbers or ranges like 0-7, not {part!r}")
+            ranks.update(range(int(first), int(last or first) + 1))
+    return sorted(ranks)

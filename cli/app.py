@@ -29,7 +29,7 @@ from hpckpt.cli import run as run_cmd
 from hpckpt.cli import diff as diff_cmd
 from hpckpt.cli import verify as verify_cmd
 from hpckpt.cli import _output
-from hpckpt.cli._errors import UsageErrors, set_debug
+from hpckpt.cli._errors import UsageErrors
 from hpckpt.cli._options import ShellName, fold_deprecated
 
 app = typer.Typer(
@@ -62,8 +62,7 @@ def root(
     ),
 ) -> None:
     """hpckpt: one engine for HyperParallel DCP, PyTorch DCP, MindSpore and safetensors checkpoints."""
-    set_debug(debug)
-    _output.reset(ctx.invoked_subcommand, json=json_output, quiet=quiet, no_progress=no_progress)
+    _output.reset(ctx.invoked_subcommand, json=json_output, quiet=quiet, no_progress=no_progress, debug=debug)
     ctx.with_resource(UsageErrors())
 
 

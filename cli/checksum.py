@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from hpckpt.cli import _options as opt
 from hpckpt.cli._errors import handles_errors
+from hpckpt.cli._option_groups import expand_options
 
 EXAMPLES = """Examples:
 
@@ -19,14 +19,11 @@ EXAMPLES = """Examples:
 
 
 @handles_errors
+@expand_options
 def checksum(
     path: Path = typer.Argument(..., help="Checkpoint directory or file (any format hpckpt reads)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing manifest."),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Threads reading (default: cores, at most 8)."),
-    json_output: opt.Json = False,
-    quiet: opt.Quiet = False,
-    no_progress: opt.NoProgress = False,
-    debug: opt.Debug = False,
 ) -> None:
     """Hash every data file and write the checkpoint's manifest (refused when verify finds errors).
 
@@ -35,8 +32,9 @@ def checksum(
     """
     from hpckpt.api.checksum import checksum as write_manifest
     from hpckpt.cli import _output
+    from hpckpt.cli._progress import TerminalProgress
 
-    with _output.TerminalProgress("checksum") as progress:
+    with TerminalProgress("checksum") as progress:
         progress.phase(f"checking {path}")
         report = write_manifest(path, force=force, jobs=jobs, progress=progress).to_json()
     if _output.json_mode():

@@ -9,6 +9,7 @@ import typer
 
 from hpckpt.cli import _options as opt
 from hpckpt.cli._errors import handles_errors
+from hpckpt.cli._option_groups import ParallelWrite, Select, expand_options
 
 EXAMPLES = """Examples:
 
@@ -20,41 +21,33 @@ EXAMPLES = """Examples:
 
 
 @handles_errors
+@expand_options
 def consolidate(
-    src: Annotated[Path, typer.Argument(help="Source checkpoint (any format hpckpt reads).")],
+    src: opt.Source,
     out: Annotated[Path, typer.Option("--output", "-o", help="Output file (safetensors, pt, ms) or directory (hf, hp, torch-dcp).")],
     fmt: Annotated[Optional[opt.FormatName], typer.Option(
         "--format", "-f", help="Any format hpckpt writes (default: from -o's extension, else safetensors).")] = None,
-    include: opt.Include = None,
-    exclude: opt.Exclude = None,
+    select: Select = Select(),
     dtype: opt.DType = None,
     max_shard_size: opt.MaxShardSize = "5GB",
-    jobs: opt.Jobs = None,
-    max_memory: opt.MaxMemory = "64MiB",
-    no_fsync: opt.NoFsync = False,
-    force: opt.Force = False,
-    parents: opt.Parents = False,
+    write: ParallelWrite = ParallelWrite(),
     skip_unsupported: opt.SkipUnsupported = False,
-    json_output: opt.Json = False,
-    quiet: opt.Quiet = False,
-    no_progress: opt.NoProgress = False,
-    debug: opt.Debug = False,
 ) -> None:
     """Merge a sharded checkpoint into whole tensors for release or inference."""
     from hpckpt import api
     from hpckpt.cli import _output, _targets
-
+    from hpckpt.cli._progress import TerminalProgress
     from hpckpt.core.commit.lock import reading
 
-    with _output.TerminalProgress("consolidate") as progress, reading(src):  # before its metadata is read
+    with TerminalProgress("consolidate") as progress, reading(src):  # before its metadata is read
         try:
             target = _targets.output_format(fmt, out, "--format", default="safetensors")
             api.parse_size(max_shard_size)
-            settings = _targets.settings(jobs, max_memory, no_fsync, force, progress, parents)
+            settings = write.settings(progress)
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
         index = _targets.open_source(src, progress)
-        report = api.consolidate(src, out, target.name, select=_targets.selection(include, exclude), dtype=dtype,
+        report = api.consolidate(src, out, target.name, select=select.selection(), dtype=dtype,
                                  max_shard_size=max_shard_size, settings=settings, skip_unsupported=skip_unsupported,
                                  index=index)
     _output.warn_skipped(report)

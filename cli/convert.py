@@ -9,6 +9,7 @@ import typer
 
 from hpckpt.cli import _options as opt
 from hpckpt.cli._errors import handles_errors
+from hpckpt.cli._option_groups import ParallelWrite, RenamedSelect, expand_options
 
 EXAMPLES = """Examples:
 
@@ -39,22 +40,22 @@ def name_rules(rules_file: Optional[Path], preset: Optional[str], direction: Opt
     return preset or direction
 
 
-def run(src, out, to, *, layout, framework, dtype, include, exclude, rules, max_shard_size, crc, jobs,
-        max_memory, no_fsync, force, dry_run, command, index=None, skip_unsupported=False, parents=False,
-        progress=None) -> None:
-    """Run `api.convert` with the options both convert commands share, and render its report."""
+def run(src, out, to, *, layout, framework, dtype, select, rules, max_shard_size, crc, write, dry_run, command,
+        index=None, skip_unsupported=False, progress=None) -> None:
+    """Run `api.convert` with the options both convert commands share, and render its report.
+    `write` is the command's Write or ParallelWrite options."""
     from hpckpt import api
     from hpckpt.cli import _output, _targets
 
     try:
-        settings = _targets.settings(jobs, max_memory, no_fsync, force, None if dry_run else progress, parents)
+        settings = write.settings(None if dry_run else progress)
         api.parse_size(max_shard_size)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     if index is None:
         index = _targets.open_source(src, progress)
     report = api.convert(src, out, to, layout=layout, framework=framework, dtype=dtype,
-                         select=_targets.selection(include, exclude), rules=rules, max_shard_size=max_shard_size,
+                         select=select.selection(), rules=rules, max_shard_size=max_shard_size,
                          crc=crc, settings=settings, dry_run=dry_run, command=command, index=index,
                          skip_unsupported=skip_unsupported)
     progress.stop()
@@ -78,6 +79,7 @@ def run(src, out, to, *, layout, framework, dtype, include, exclude, rules, max_
 
 
 @handles_errors
+@expand_options
 def convert(
     src: Annotated[Path, typer.Argument(help="Source checkpoint: any format hpckpt reads, .ckpt and torch.save files too.")],
     out: Annotated[Path, typer.Option("--output", "-o", help="Output file (pt, ms, safetensors) or directory (hf, hp, torch-dcp).")],
@@ -92,24 +94,16 @@ def convert(
     framework: Annotated[Optional[opt.FrameworkName], typer.Option("--framework", help="dtype strings and file flavour as torch or mindspore writes them (hp default: the source's).")] = None,
     names: Annotated[Optional[str], typer.Option("--names", help="Rename entries: a preset (ms-to-torch, torch-to-ms, torch-to-ms-adamw) or a TOML rules file.")] = None,
     dtype: opt.DType = None,
-    include: opt.RenamedInclude = None,
-    exclude: opt.RenamedExclude = None,
+    select: RenamedSelect = RenamedSelect(),
     max_shard_size: opt.MaxShardSize = "5GB",
     crc: Annotated[bool, typer.Option("--crc", help="ms: end the .ckpt with MindSpore's CRC trailer.")] = False,
-    jobs: opt.Jobs = None,
-    max_memory: opt.MaxMemory = "64MiB",
-    no_fsync: opt.NoFsync = False,
-    force: opt.Force = False,
-    parents: opt.Parents = False,
+    write: ParallelWrite = ParallelWrite(),
     skip_unsupported: opt.SkipUnsupported = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be written (and the name table); write nothing.")] = False,
-    json_output: opt.Json = False,
-    quiet: opt.Quiet = False,
-    no_progress: opt.NoProgress = False,
-    debug: opt.Debug = False,
 ) -> None:
     """Convert a checkpoint to another format: pt, ms, safetensors, hf, hp or torch-dcp."""
-    from hpckpt.cli import _output, _targets
+    from hpckpt.cli import _targets
+    from hpckpt.cli._progress import TerminalProgress
 
     try:
         fmt = _targets.output_format(to, out, "--to")
@@ -128,7 +122,7 @@ def convert(
         rules = name_rules(Path(names), None, None) if is_file else name_rules(None, names, None)
     from hpckpt.core.commit.lock import reading
 
-    with _output.TerminalProgress("convert") as progress, reading(src):  # before its metadata is read
+    with TerminalProgress("convert") as progress, reading(src):  # before its metadata is read
         index = _targets.open_source(src, progress)
         layout = None
         if layouts_given:
@@ -136,7 +130,6 @@ def convert(
                 layout = _targets.layout_spec(index, world_size, split, mesh, placements, layout_rules, layout_files)
             except ValueError as exc:
                 raise typer.BadParameter(str(exc)) from None
-        run(src, out, fmt.name, layout=layout, framework=framework, dtype=dtype, include=include, exclude=exclude,
-            rules=rules, max_shard_size=max_shard_size, crc=crc, jobs=jobs, max_memory=max_memory, no_fsync=no_fsync,
-            force=force, dry_run=dry_run, command="convert", skip_unsupported=skip_unsupported, parents=parents,
-            index=index, progress=progress)
+        run(src, out, fmt.name, layout=layout, framework=framework, dtype=dtype, select=select, rules=rules,
+            max_shard_size=max_shard_size, crc=crc, write=write, dry_run=dry_run, command="convert",
+            skip_unsupported=skip_unsupported, index=index, progress=progress)

@@ -9,6 +9,7 @@ import typer
 
 from hpckpt.cli import _options as opt
 from hpckpt.cli._errors import handles_errors
+from hpckpt.cli._option_groups import RenamedSelect, Write, expand_options
 
 EXAMPLES = """Examples:
 
@@ -21,6 +22,7 @@ EXAMPLES = """Examples:
 
 
 @handles_errors
+@expand_options
 def convert_ms_torch(
     src: Annotated[Path, typer.Argument(help="A MindSpore or PyTorch checkpoint (.ckpt, .pt, safetensors, DCP).")],
     out: Annotated[Path, typer.Option("--output", "-o", help="Output file or directory; a file's extension picks the container.")],
@@ -28,38 +30,28 @@ def convert_ms_torch(
     to_format: Annotated[Optional[opt.FormatName], typer.Option("--to-format", help="Container (default: the source's kind, or -o's extension).")] = None,
     name_rules: Annotated[Optional[Path], typer.Option("--name-rules", help="TOML rules (docs/name-rules.md); the preset applies after them.")] = None,
     no_preset: Annotated[bool, typer.Option("--no-preset", help="Keep names as they are (only --name-rules rename).")] = False,
-    # (the options both convert commands take are declared once, in cli/_options.py; typer reads
-    # each command's own signature, so their list stands here again, as in cli/convert.py)
     dtype: opt.DType = None,
-    include: opt.RenamedInclude = None,
-    exclude: opt.RenamedExclude = None,
+    select: RenamedSelect = RenamedSelect(),
     crc: Annotated[bool, typer.Option("--crc", help="A .ckpt output ends with MindSpore's CRC trailer.")] = False,
-    max_memory: opt.MaxMemory = "64MiB",
-    no_fsync: opt.NoFsync = False,
-    force: opt.Force = False,
-    parents: opt.Parents = False,
+    write: Write = Write(),
     skip_unsupported: opt.SkipUnsupported = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the source -> destination name table; write nothing.")] = False,
-    json_output: opt.Json = False,
-    quiet: opt.Quiet = False,
-    no_progress: opt.NoProgress = False,
-    debug: opt.Debug = False,
 ) -> None:
     """Convert between MindSpore and PyTorch: names, dtype strings and container."""
     from hpckpt import api
-    from hpckpt.cli import _output, _targets
+    from hpckpt.cli import _targets
+    from hpckpt.cli._progress import TerminalProgress
     from hpckpt.cli.convert import name_rules as rules_from, run
 
     if to_format is not None:
         _targets.output_format(to_format, out, "--to-format")  # refuses one the extension contradicts
     from hpckpt.core.commit.lock import reading
 
-    with _output.TerminalProgress("convert-ms-torch") as progress, reading(src):  # before its metadata is read
+    with TerminalProgress("convert-ms-torch") as progress, reading(src):  # before its metadata is read
         index = _targets.open_source(src, progress)  # once: the plan and the conversion share it
         target = api.ms_torch_target(src, out, to=to, to_format=to_format, index=index)
         direction = "ms-to-torch" if target["to"] == "torch" else "torch-to-ms"
         rules = rules_from(name_rules, "none" if no_preset else None, direction)
-        run(src, out, target["format"], layout=None, framework=target["to"], dtype=dtype, include=include,
-            exclude=exclude, rules=rules, max_shard_size="5GB", crc=crc, jobs=None, max_memory=max_memory,
-            no_fsync=no_fsync, force=force, dry_run=dry_run, command="convert-ms-torch", index=index,
-            skip_unsupported=skip_unsupported, parents=parents, progress=progress)
+        run(src, out, target["format"], layout=None, framework=target["to"], dtype=dtype, select=select,
+            rules=rules, max_shard_size="5GB", crc=crc, write=write, dry_run=dry_run, command="convert-ms-torch",
+            index=index, skip_unsupported=skip_unsupported, progress=progress)

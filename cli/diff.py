@@ -9,6 +9,7 @@ import typer
 
 from hpckpt.cli import _options as opt
 from hpckpt.cli._errors import handles_errors
+from hpckpt.cli._option_groups import Select, expand_options
 
 EXAMPLES = """Examples:
 
@@ -22,6 +23,7 @@ DIFFER = 25  # exit code: the checkpoints differ (beyond the tolerances)
 
 
 @handles_errors
+@expand_options
 def diff(
     a: Annotated[Path, typer.Argument(help="First checkpoint (any format hpckpt reads).")],
     b: Annotated[Path, typer.Argument(help="Second checkpoint (any format hpckpt reads).")],
@@ -31,27 +33,23 @@ def diff(
     atol: Annotated[float, typer.Option("--atol", min=0.0, help="Absolute tolerance per element.")] = 0.0,
     rtol: Annotated[float, typer.Option("--rtol", min=0.0, help="Relative tolerance per element (of B's value).")] = 0.0,
     allow_dtype: Annotated[bool, typer.Option("--allow-dtype", help="A dtype change alone is no difference.")] = False,
-    include: opt.Include = None,
-    exclude: opt.Exclude = None,
+    select: Select = Select(),
     max_memory: opt.MaxMemory = "64MiB",
-    json_output: opt.Json = False,
-    quiet: opt.Quiet = False,
-    no_progress: opt.NoProgress = False,
-    debug: opt.Debug = False,
 ) -> None:
     """Compare two checkpoints entry by entry; exit 0 when equal within the tolerances, 25 when not."""
     from hpckpt import api
     from hpckpt.api.diff import diff as compare
     from hpckpt.cli import _output
+    from hpckpt.cli._progress import TerminalProgress
     from hpckpt.cli.convert import name_rules
 
     rules = None
     if names is not None:
         is_file = names.endswith(".toml") or Path(names).is_file()
         rules = name_rules(Path(names), None, None) if is_file else name_rules(None, names, None)
-    with _output.TerminalProgress("diff") as progress:
+    with TerminalProgress("diff") as progress:
         progress.phase(f"comparing {a} and {b}")
-        report = compare(a, b, names=rules, select=api.Selection.of(include, exclude), atol=atol, rtol=rtol,
+        report = compare(a, b, names=rules, select=select.selection(), atol=atol, rtol=rtol,
                          allow_dtype=allow_dtype, max_memory=api.parse_size(max_memory), progress=progress)
     doc = report.to_json()
     if _output.json_mode():
@@ -66,7 +64,8 @@ def _number(x) -> str:
 
 
 def render(doc: dict) -> None:
-    from hpckpt.cli._output import result_line, write_table
+    from hpckpt.cli._output import result_line
+    from hpckpt.cli._tables import write_table
 
     changed = [t for t in doc["tensors"] if t["dtype"][0] != t["dtype"][1]]
     shown = [t for t in doc["tensors"] if t["status"] in ("differ", "shape")

@@ -8,8 +8,8 @@ import sys
 import typer
 
 from hpckpt import __version__
-from hpckpt.cli import _options as opt
 from hpckpt.cli._errors import handles_errors
+from hpckpt.cli._option_groups import expand_options
 
 _PACKAGES = ("numpy", "safetensors", "typer", "rich", "torch", "mindspore")
 
@@ -35,11 +35,8 @@ def environment() -> dict[str, str]:
 
 
 @handles_errors
+@expand_options
 def env(
-    json_output: opt.Json = False,
-    quiet: opt.Quiet = False,
-    no_progress: opt.NoProgress = False,
-    debug: opt.Debug = False,
 ) -> None:
     """Print versions of hpckpt, Python, its dependencies and the platform, for bug reports."""
     from hpckpt.cli import _output

@@ -7,8 +7,8 @@ from typing import List, Optional
 
 import typer
 
-from hpckpt.cli import _options as opt
 from hpckpt.cli._errors import handles_errors
+from hpckpt.cli._option_groups import expand_options
 
 EXAMPLES = """Examples:
 
@@ -20,22 +20,20 @@ EXAMPLES = """Examples:
 
 
 @handles_errors
+@expand_options
 def inspect(
     path: Path = typer.Argument(..., help="Checkpoint directory or file (format is detected)."),
     include: Optional[List[str]] = typer.Option(None, "--include", "-i", metavar="GLOB", help="Only entries whose name matches (repeatable)."),
     exclude: Optional[List[str]] = typer.Option(None, "--exclude", "-x", metavar="GLOB", help="Leave out entries whose name matches (repeatable)."),
     shards: Optional[List[str]] = typer.Option(None, "--shards", "-s", metavar="GLOB", help="Show the chunk boxes of matching tensors per rank and file."),
     no_values: bool = typer.Option(False, "--no-values", help="Do not read and decode non-tensor values."),
-    json_output: opt.Json = False,
-    quiet: opt.Quiet = False,
-    no_progress: opt.NoProgress = False,
-    debug: opt.Debug = False,
 ) -> None:
     """Show the format, world size, files, tensors (dtype, shape, chunks) and values of a checkpoint."""
     from hpckpt import api
     from hpckpt.cli import _output
+    from hpckpt.cli._progress import TerminalProgress
 
-    with _output.TerminalProgress("inspect") as progress:
+    with TerminalProgress("inspect") as progress:
         progress.phase(f"reading metadata of {path}")
         report = api.inspect(path, api.Selection.of(include, exclude), shards or (), decode_values=not no_values)
     if _output.json_mode():
@@ -48,7 +46,8 @@ def render(doc: dict) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from hpckpt.cli._output import human_bytes, printable, stdout_console, write_table
+    from hpckpt.cli._output import human_bytes, printable, stdout_console
+    from hpckpt.cli._tables import write_table
 
     console = stdout_console()
     counts = doc["counts"]

@@ -9,6 +9,7 @@ import typer
 
 from hpckpt.cli import _options as opt
 from hpckpt.cli._errors import handles_errors
+from hpckpt.cli._option_groups import ParallelWrite, Select, TargetLayout, expand_options
 
 EXAMPLES = """Examples:
 
@@ -24,39 +25,26 @@ EXAMPLES = """Examples:
 
 
 @handles_errors
+@expand_options
 def reshard(
     src: Annotated[Optional[Path], typer.Argument(
         help="Source checkpoint (any format hpckpt reads); with --finalize, the destination.")] = None,
     out: Annotated[Optional[Path], typer.Option("--output", "-o", help="Destination directory (HyperParallel DCP).")] = None,
-    world_size: opt.WorldSize = None,
-    split: opt.Split = "balanced",
-    mesh: opt.MeshOption = None,
-    placements: opt.Placements = None,
-    rules: opt.LayoutRules = None,
-    layout_files: opt.LayoutFiles = None,
-    keep_layout: Annotated[bool, typer.Option("--keep-layout", help="Keep each tensor's layout; change only the mesh size.")] = False,
+    layout: TargetLayout = TargetLayout(),
     rank: Annotated[Optional[List[str]], typer.Option(
         "--rank", "-r", metavar="R", help="Write only these target ranks (e.g. 3, 0-7); repeatable.")] = None,
     finalize: Annotated[bool, typer.Option("--finalize", help="Write the metadata of a fanned-out reshard.")] = False,
-    include: opt.Include = None,
-    exclude: opt.Exclude = None,
+    select: Select = Select(),
     dtype: opt.DType = None,
     framework: opt.Framework = None,
-    jobs: opt.Jobs = None,
-    max_memory: opt.MaxMemory = "64MiB",
-    no_fsync: opt.NoFsync = False,
-    force: opt.Force = False,
-    parents: opt.Parents = False,
+    write: ParallelWrite = ParallelWrite(),
     dry_run: Annotated[bool, typer.Option(
         "--plan", "--dry-run", help="Print what each target rank reads and writes; copy nothing.")] = False,
-    json_output: opt.Json = False,
-    quiet: opt.Quiet = False,
-    no_progress: opt.NoProgress = False,
-    debug: opt.Debug = False,
 ) -> None:
     """Reshard a checkpoint to a new world size or layout (output: HyperParallel DCP)."""
     from hpckpt import api
     from hpckpt.cli import _output, _targets
+    from hpckpt.cli._progress import TerminalProgress
 
     if finalize:
         if src is None:
@@ -67,20 +55,19 @@ def reshard(
             raise typer.BadParameter("give SRC and -o DST")
         from hpckpt.core.commit.lock import reading
 
-        with _output.TerminalProgress("reshard") as progress, reading(src):  # before its metadata is read
+        with TerminalProgress("reshard") as progress, reading(src):  # before its metadata is read
             try:
-                ranks = _output.parse_ranks(rank)
-                settings = _targets.settings(jobs, max_memory, no_fsync, force, progress, parents)
-                _targets.check_layout_options(world_size, mesh, placements, rules, layout_files, keep_layout)
+                ranks = _targets.parse_ranks(rank)
+                settings = write.settings(progress)
+                layout.check()
             except ValueError as exc:
                 raise typer.BadParameter(str(exc)) from None
             index = _targets.open_source(src, progress)
             try:
-                spec = _targets.layout_spec(index, world_size, split, mesh, placements, rules, layout_files,
-                                            keep_layout)
+                spec = layout.spec(index)
             except ValueError as exc:
                 raise typer.BadParameter(str(exc)) from None
-            report = api.reshard(src, out, spec, select=_targets.selection(include, exclude), ranks=ranks,
+            report = api.reshard(src, out, spec, select=select.selection(), ranks=ranks,
                                  framework=framework, dtype=dtype, settings=settings, dry_run=dry_run, index=index)
     _output.warn_skipped(report)
     if _output.json_mode():
@@ -90,7 +77,8 @@ def reshard(
 
 
 def render(report) -> None:
-    from hpckpt.cli._output import human_bytes, rate, result_line, write_table
+    from hpckpt.cli._output import human_bytes, rate, result_line
+    from hpckpt.cli._tables import write_table
 
     if "plan" not in report:
         result_line(f"Finalized {report['destination']}: {report['files']} files, metadata written")

@@ -7,11 +7,12 @@ from typing import Optional
 
 import typer
 
-from hpckpt.cli import _options as opt
 from hpckpt.cli._errors import handles_errors
+from hpckpt.cli._option_groups import expand_options
 
 
 @handles_errors
+@expand_options
 def verify(
     path: Path = typer.Argument(..., help="Checkpoint directory or file (format is detected)."),
     strict: bool = typer.Option(False, "--strict", help="Treat warnings (e.g. leftover plan files) as errors."),
@@ -21,10 +22,6 @@ def verify(
                              "with any is a warning)."),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1,
                                        help="--deep/--nan: threads reading (default: cores, at most 8)."),
-    json_output: opt.Json = False,
-    quiet: opt.Quiet = False,
-    no_progress: opt.NoProgress = False,
-    debug: opt.Debug = False,
 ) -> None:
     """Check files, safetensors headers, keys, dtypes, shapes, chunk coverage and values.
 
@@ -34,8 +31,9 @@ def verify(
     """
     from hpckpt import api
     from hpckpt.cli import _output
+    from hpckpt.cli._progress import TerminalProgress
 
-    with _output.TerminalProgress("verify") as progress:
+    with TerminalProgress("verify") as progress:
         progress.phase(f"checking {path}")
         report = api.verify(path, strict=strict, deep=deep, nan=nan, jobs=jobs, progress=progress).to_json()
     if _output.json_mode():
@@ -77,7 +75,8 @@ def render(report: dict) -> None:
 
 
 def _render_deep(deep: dict, table: list[dict] | None) -> None:
-    from hpckpt.cli._output import human_bytes, stdout_console, write_table
+    from hpckpt.cli._output import human_bytes, stdout_console
+    from hpckpt.cli._tables import write_table
 
     console = stdout_console()
     if deep["manifest_used"]:

@@ -71,7 +71,7 @@ def check_report(document: dict, native: str, *, fsynced: bool) -> None:
 
 
 def check_table(document: dict, native_label: str) -> None:
-    from hpckpt.dist.jobs.bench_job import table
+    from hpckpt.cli.run.bench_table import table
 
     columns, rows = table(document["ranks"])
     assert columns[0] == "measurement" and all(len(row) == len(columns) for row in rows)
@@ -90,7 +90,7 @@ def check_left_alone(scratch: Path, logs: Path) -> None:
 
 
 def test_bench_module_imports_no_framework():
-    code = ("import sys, hpckpt.dist.jobs.bench_job as b; "
+    code = ("import sys, hpckpt.dist.jobs.bench_job, hpckpt.cli.run.bench_table as b; "
             "assert not {'torch', 'mindspore'} & set(sys.modules), sorted({'torch', 'mindspore'} & set(sys.modules)); "
             "print(callable(b.table))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -107,7 +107,7 @@ def test_two_nodes_on_one_host_load_as_one_world(tmp_path):
     import torch
 
     import hpckpt.dist as hdist
-    from hpckpt.cli._launch import free_port
+    from hpckpt.cli.run.launch_plan import free_port
 
     hdist.save({"w": torch.arange(24, dtype=torch.float32).reshape(6, 4), "step": 3}, tmp_path / "ck")
     port, logs = free_port(), tmp_path / "logs"

@@ -18,7 +18,7 @@ from _util import REPO
 from typer.testing import CliRunner
 
 from hpckpt.core import errors
-from hpckpt.cli import _launch
+from hpckpt.cli.run import failures, launch_plan, processes, report, supervise
 from hpckpt.cli.app import app
 from hpckpt.core import job_files
 
@@ -43,11 +43,11 @@ def dry_run(*args) -> tuple[dict[str, str], list[str], dict]:
 
 
 def flags_before_script(words: list[str]) -> list[str]:
-    return words[1:words.index(str(_launch.ENTRY_SCRIPT))]
+    return words[1:words.index(str(launch_plan.ENTRY_SCRIPT))]
 
 
 def worker_args(words: list[str]) -> list[str]:
-    return words[words.index(str(_launch.ENTRY_SCRIPT)) + 1:]
+    return words[words.index(str(launch_plan.ENTRY_SCRIPT)) + 1:]
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +89,7 @@ def test_msrun_single_node_gets_a_local_scheduler_and_our_python_first(tmp_path)
     assert 1024 <= int(port) <= 65535
     assert flags == ["--worker_num=2", "--local_worker_num=2", "--master_addr=127.0.0.1", f"--master_port={port}",
                      "--node_rank=0", f"--log_dir={tmp_path / 'msrun'}", "--join=True",
-                     f"--cluster_time_out={_launch.MSRUN_CLUSTER_TIMEOUT}"]
+                     f"--cluster_time_out={launch_plan.MSRUN_CLUSTER_TIMEOUT}"]
     assert env["PATH"] == f"{Path(sys.executable).parent}:$PATH"  # msrun starts `python` from PATH
     assert env["HPCKPT_JOB_ID"] == tmp_path.name
 
@@ -173,7 +173,7 @@ def test_the_cli_imports_no_framework_to_print_a_launch(tmp_path):
 
 
 def test_the_entry_script_sits_alone_and_is_installed():
-    entry = _launch.ENTRY_SCRIPT
+    entry = launch_plan.ENTRY_SCRIPT
     assert entry.is_file()
     assert {p.name for p in entry.parent.iterdir()} - {"__pycache__"} == {"__init__.py", entry.name}
     packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
@@ -190,13 +190,13 @@ def test_stop_reaches_workers_in_sessions_of_their_own(tmp_path):
     deadline = time.monotonic() + 10
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.02)
-    workers = _launch.descendants(launcher.pid)
+    workers = processes.descendants(launcher.pid)
     assert len(workers) == 2
     started = time.monotonic()
-    _launch.stop_job(launcher, {})
-    assert time.monotonic() - started < _launch.STOP_GRACE_SECONDS + 1
+    processes.stop_job(launcher, {})
+    assert time.monotonic() - started < processes.STOP_GRACE_SECONDS + 1
     assert launcher.returncode is not None
-    assert not any(_launch._alive(pid, start) for pid, start in workers.items())
+    assert not any(processes._alive(pid, start) for pid, start in workers.items())
 
 
 # -- rank files, report and root cause ----------------------------------------------------------
@@ -220,8 +220,8 @@ def _rank(run_dir: Path, rank: int, state: str, t: float = 0.0, **status):
                           **status})
 
 
-def _plan(run_dir: Path, nproc: int, node_rank: int = 0, nnodes: int = 1) -> _launch.LaunchPlan:
-    return _launch.LaunchPlan("torchrun", nproc, {"job": "selftest"}, run_dir, nnodes, node_rank, None, None)
+def _plan(run_dir: Path, nproc: int, node_rank: int = 0, nnodes: int = 1) -> launch_plan.LaunchPlan:
+    return launch_plan.LaunchPlan("torchrun", nproc, {"job": "selftest"}, run_dir, nnodes, node_rank, None, None)
 
 
 def test_report_lists_this_node_s_ranks_and_totals(tmp_path):
@@ -232,8 +232,8 @@ def test_report_lists_this_node_s_ranks_and_totals(tmp_path):
                               "format": "hp", "job_bytes_written": 150, "wait_seconds": seconds / 2})
     plan = _plan(tmp_path, 2, node_rank=1, nnodes=2)
     run = job_files.read_run(tmp_path)
-    _launch.check_complete(plan, run)
-    document = _launch.report(plan, run)
+    report.check_complete(plan, run)
+    document = report.report(plan, run)
     assert [r["rank"] for r in document["ranks"]] == [2, 3]
     # seconds: the slowest rank's; job_*: the whole job's, the same on every rank
     assert document["totals"] == {"bytes_written": 150, "seconds": 4.0, "files": 2, "job_bytes_written": 150,
@@ -247,7 +247,7 @@ def test_a_rank_without_result_makes_the_job_incomplete(tmp_path):
     job_files.write_json(job_files.result_path(tmp_path, 0), {})
     _rank(tmp_path, 1, "running")
     with pytest.raises(errors.JobFailedError, match="rank 1 ended without reporting success") as err:
-        _launch.check_complete(_plan(tmp_path, 2), job_files.read_run(tmp_path))
+        report.check_complete(_plan(tmp_path, 2), job_files.read_run(tmp_path))
     assert err.value.exit_code == 22 and err.value.kind == "job-failed"
 
 
@@ -256,7 +256,7 @@ def test_root_cause_is_the_earliest_failure_not_about_another_rank(tmp_path):
     _rank(tmp_path, 1, "failed", 7.0, kind="corrupt-data", error="later")
     _rank(tmp_path, 0, "failed", 6.0, kind="no-space", error="no space left on device (/ck)")
     _rank(tmp_path, 3, "running")
-    message = _launch.root_cause(job_files.read_run(tmp_path), "", 1, tmp_path, tmp_path / "launcher.log")
+    message = failures.root_cause(job_files.read_run(tmp_path), "", 1, tmp_path, tmp_path / "launcher.log")
     assert message == f"rank 0 failed: no space left on device (/ck) (log: {tmp_path / 'rank-0.log'})"
 
 
@@ -291,26 +291,26 @@ def test_a_rank_that_died_without_a_report_is_named_from_the_launcher(tmp_path):
     _rank(tmp_path, 1, "running", pid=101)
     run = job_files.read_run(tmp_path)
     log = tmp_path / "launcher.log"
-    assert _launch.root_cause(run, TORCHRUN_SUMMARY, 1, tmp_path, log) == (
+    assert failures.root_cause(run, TORCHRUN_SUMMARY, 1, tmp_path, log) == (
         f"rank 1 exited without a report (killed by SIGKILL) (log: {tmp_path / 'rank-1.log'})")
     msrun = "[ERROR] ME(1:2,MainProcess): Worker process 101 exit with exception. Error code: 11.\n"
-    assert _launch.root_cause(run, msrun, None, tmp_path, log).startswith("rank 1 exited without a report (exit code 11)")
+    assert failures.root_cause(run, msrun, None, tmp_path, log).startswith("rank 1 exited without a report (exit code 11)")
     msrun_unknown = "Worker process 555 exit with exception. Error code: 1.\n"
-    assert _launch.root_cause(run, msrun_unknown, None, tmp_path, log) == (
+    assert failures.root_cause(run, msrun_unknown, None, tmp_path, log) == (
         f"a worker (pid 555) exited without a report (exit code 1) (log: {log})")
-    assert _launch.root_cause(run, "", 1, tmp_path, log) == f"rank 0 exited without a report (log: {tmp_path / 'rank-0.log'})"
-    assert _launch.root_cause(job_files.RunFiles(), "", 2, tmp_path, log) == (
+    assert failures.root_cause(run, "", 1, tmp_path, log) == f"rank 0 exited without a report (log: {tmp_path / 'rank-0.log'})"
+    assert failures.root_cause(job_files.RunFiles(), "", 2, tmp_path, log) == (
         f"the launcher exited with exit code 2 before any rank reported (log: {log})")
 
 
 def test_run_dir_default_is_new_under_the_temp_dir():
-    run_dir = _launch.default_run_dir()
+    run_dir = launch_plan.default_run_dir()
     assert run_dir.parent == Path(os.environ.get("TMPDIR", "/tmp")) and run_dir.name.startswith("hpckpt-run-")
     assert run_dir.name.endswith(f"-{os.getpid()}") and not run_dir.exists()
 
 
 def test_terminal_progress_sums_the_ranks_and_shows_rank_0_s_phase(tmp_path):
-    from hpckpt.cli.run import _JobProgress
+    from hpckpt.cli.run.progress import JobProgress as _JobProgress
 
     for rank, (done, total, phase) in enumerate([(10, 40, "writing"), (30, 60, "reading")]):
         job_files.write_json(job_files.progress_path(tmp_path, rank), {"done": done, "total": total, "phase": phase})
@@ -324,10 +324,10 @@ def test_terminal_progress_sums_the_ranks_and_shows_rank_0_s_phase(tmp_path):
 def test_a_launcher_failing_after_the_ranks_is_said_so(tmp_path):
     _rank(tmp_path, 0, "ok", exit_code=0)
     run, log = job_files.read_run(tmp_path), tmp_path / "launcher.log"
-    assert _launch.root_cause(run, "", 1, tmp_path, log) == (
+    assert failures.root_cause(run, "", 1, tmp_path, log) == (
         f"the launcher exited with exit code 1 after every rank reported success (log: {log})")
     scheduler = "[ERROR] ME(9084:1,MainProcess): [_api.py:385] Scheduler process 9094 exit with exception.\n"
-    assert _launch.root_cause(run, scheduler, 1, tmp_path, log) == (
+    assert failures.root_cause(run, scheduler, 1, tmp_path, log) == (
         f"msrun's scheduler failed (log: {tmp_path / 'scheduler.log'})")
 
 
@@ -360,16 +360,16 @@ def test_a_rank_dying_after_every_rank_reported_success_is_a_warning(tmp_path, m
     launcher.write_text(ABORT_AFTER_OK)
     for unreported, ok in (("", True), ("1", False)):
         run_dir = tmp_path / f"run{unreported}"
-        plan = _launch.LaunchPlan("torchrun", 2, {"job": "selftest"}, run_dir)
+        plan = launch_plan.LaunchPlan("torchrun", 2, {"job": "selftest"}, run_dir)
         monkeypatch.setattr(plan, "command", lambda: [sys.executable, str(launcher), *plan.worker_args()])
         monkeypatch.setenv("UNREPORTED", unreported)
-        outcome = _launch.launch(plan)
+        outcome = supervise.launch(plan)
         assert outcome.ok is ok and outcome.launcher_code == 1, outcome
         if ok:
             assert outcome.message == (f"rank 1 (killed by SIGABRT) died at exit after every rank had reported success: "
                                        f"the results stand; its interpreter's teardown failed "
                                        f"(log: {run_dir / 'rank-1.log'})")
-            assert not _launch.unreported(plan, outcome.run)
+            assert not report.unreported(plan, outcome.run)
         else:
             assert outcome.message.startswith("rank 1 exited without a report (killed by SIGABRT)"), outcome.message
 

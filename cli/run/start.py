@@ -1,0 +1,52 @@
+"""A job from its spec to its report: checked, planned, launched (or its command line printed),
+followed to its end, and reported."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def start(ctx: typer.Context, spec: dict) -> None:
+    """Run the job `spec` describes with the launcher options on `ctx` (the `run` group's).
+
+    Raises:
+        JobFailedError: a rank failed, or one ended without reporting success (the first cause named).
+        LauncherNotFoundError: no torchrun or msrun in this environment.
+    """
+    from hpckpt.cli import _output
+    from hpckpt.cli.run import checks, launch_plan, report, supervise
+    from hpckpt.cli.run.progress import JobProgress
+    from hpckpt.cli.run.render import render
+    from hpckpt.core.errors import JobFailedError, LauncherNotFoundError
+
+    o = ctx.obj
+    if not o["dry_run"]:
+        checks.paths(spec)
+    run_dir = Path(o["log_dir"]).expanduser().absolute() if o["log_dir"] else launch_plan.default_run_dir()
+    port = o["master_port"]
+    if port is None and o["launcher"] == "msrun":
+        port = launch_plan.free_port()  # msrun has no standalone mode: a local scheduler on a free port
+    plan = launch_plan.LaunchPlan(o["launcher"], o["nproc_per_node"], spec, run_dir, o["nnodes"], o["node_rank"],
+                                  o["master_addr"], port)
+    if o["dry_run"]:
+        try:
+            plan.launcher_path = launch_plan.find_launcher(plan.launcher)
+        except LauncherNotFoundError as exc:
+            _output.warn(exc.message)
+        print(plan.display())
+        return
+    plan.launcher_path = launch_plan.find_launcher(plan.launcher)
+    with JobProgress(f"{spec['job']} ({plan.world_size} ranks)") as progress:
+        outcome = supervise.launch(plan, progress.show)
+    if not outcome.ok:
+        raise JobFailedError(outcome.message, hint=f"logs of every rank: {run_dir}")
+    if outcome.message:  # a rank died in teardown after every rank reported success
+        _output.warn(outcome.message)
+    report.check_complete(plan, outcome.run)
+    document = report.report(plan, outcome.run)
+    if _output.json_mode():
+        _output.emit_json(document)
+    else:
+        render(document, outcome.seconds)
