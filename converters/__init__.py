@@ -153,3 +153,25 @@ def open_index(path: Path | str, *, use_cache: bool = False) -> CheckpointIndex:
     if use_cache and fmt.reader is _HP_READER:
         return _HP_READER.read_index(path, use_cache=True)
     return fmt.reader.read_index(path)
+
+
+def _is_own_file(name: str, fmt: str) -> bool:
+    """A file hpckpt keeps in a checkpoint directory of format `fmt` (besides the manifest)."""
+    from hpckpt.converters import hf_sharded, hpckpt_json
+
+    return name == hpckpt_json.NAME or (name == hf_sharded.SIDECAR_NAME and fmt.startswith("hf-"))
+
+
+def _register_with_the_commit_room() -> None:
+    """core/commit decides what may be replaced and what a killed run left by these (it cannot
+    import them: core sits below the converters)."""
+    from hpckpt.converters import index_cache, values_sidecar
+    from hpckpt.core.commit import formats
+
+    formats.register(formats.FormatKnowledge(
+        open_index=open_index, detect=detect, read_sidecar=values_sidecar.read,
+        sidecar_owner=values_sidecar.owner_of, sidecars_of=values_sidecar.sidecars_of,
+        is_own_file=_is_own_file, cache_dir=index_cache.cache_dir))
+
+
+_register_with_the_commit_room()

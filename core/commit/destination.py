@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from hpckpt.core.commit import formats
 from hpckpt.core.errors import (
     CorruptMetadataError,
     DestinationExistsError,
@@ -157,10 +158,8 @@ def _unaccounted(path: Path, names: list[str]) -> str | None:
     """Why the checkpoint directory `path` may not be replaced whole, or None: its metadata cannot
     be read, or it holds entries (`names`, its top level) that are neither the files its
     metadata refers to nor hpckpt's own (the manifest, `.hpckpt.json`, locks, staging names, sidecars)."""
-    from hpckpt.converters import open_index  # converters import this module
-
     try:
-        index = open_index(path)
+        index = formats.known().open_index(path)
     except (HpckptError, OSError) as exc:
         return f"its metadata cannot be read ({getattr(exc, 'message', exc)}), so what it holds is unknown"
     own = {Path(name).parts[0] for name in (*index.data_files, *index.metadata_files) if Path(name).parts}
@@ -173,21 +172,18 @@ def _unaccounted(path: Path, names: list[str]) -> str | None:
 
 def _hpckpt_own(directory: Path, name: str, listed: set[str], fmt: str) -> bool:
     """A top-level entry of a checkpoint directory that hpckpt itself writes or leaves there."""
-    from hpckpt.converters import hpckpt_json, index_cache
-    from hpckpt.converters.hf_sharded import SIDECAR_NAME
-    from hpckpt.converters.values_sidecar import owner_of
-
     from hpckpt.core.commit import manifest
 
-    if name in (hpckpt_json.NAME, manifest.NAME, FRAGMENT_DIR) or _STAGING_NAME.match(name):
+    knowledge = formats.known()
+    if name in (manifest.NAME, FRAGMENT_DIR) or _STAGING_NAME.match(name) or knowledge.is_own_file(name, fmt):
         return True
     if name.endswith(manifest.SUFFIX) and name.removesuffix(manifest.SUFFIX) in listed:  # a file's manifest
         return True
     if name.startswith(".") and name.endswith(LOCK_SUFFIX):
         return True
-    if owner_of(name) in listed or (name == SIDECAR_NAME and fmt.startswith("hf-")):  # values sidecars
+    if knowledge.sidecar_owner(name) in listed:  # values sidecars, a file's manifest
         return True
-    cache = index_cache.cache_dir()  # the index cache, when HPCKPT_CACHE_DIR puts it there
+    cache = knowledge.cache_dir()  # the index cache, when HPCKPT_CACHE_DIR puts it there
     try:
         return cache is not None and Path(os.path.realpath(cache)).is_relative_to(os.path.realpath(directory / name))
     except OSError:
@@ -195,10 +191,8 @@ def _hpckpt_own(directory: Path, name: str, listed: set[str], fmt: str) -> bool:
 
 
 def _recognised(path: Path) -> bool:
-    from hpckpt.converters import detect  # converters import this module
-
     try:
-        detect(path)
+        formats.known().detect(path)
     except CorruptMetadataError:
         return True  # a checkpoint of a format hpckpt reads, broken
     except HpckptError:
@@ -207,10 +201,8 @@ def _recognised(path: Path) -> bool:
 
 
 def _is_sidecar(path: Path) -> bool:
-    from hpckpt.converters import values_sidecar
-
     try:
-        values_sidecar.read(path)
+        formats.known().read_sidecar(path)
     except HpckptError:
         return False
     return True

@@ -13,6 +13,7 @@ import shlex
 import shutil
 from pathlib import Path
 
+from hpckpt.core.commit import formats
 from hpckpt.core.commit.lock import LOCK_SUFFIX, holder
 
 
@@ -86,16 +87,12 @@ def leftover(path: Path) -> str | None:
 
 
 def _sidecar_owner(path: Path) -> Path | None:
-    from hpckpt.converters.values_sidecar import owner_of  # converters import this module
-
-    name = owner_of(path.name)
+    name = formats.known().sidecar_owner(path.name)
     return path.with_name(name) if name else None
 
 
 def _sidecars_of(name: str) -> tuple[str, ...]:
-    from hpckpt.converters.values_sidecar import sidecars_of
-
-    return sidecars_of(name)
+    return formats.known().sidecars_of(name)
 
 
 
