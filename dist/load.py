@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from hpckpt.core.geometry.assign import least_loaded
 from hpckpt.converters import open_index
 from hpckpt.core.geometry.box import Box
 from hpckpt.core.errors import EntryMismatchError
@@ -184,11 +185,8 @@ def _assign(everyone: list[list], targets: list[_Target], job) -> tuple[dict[int
     for key, ranks in holders.items():
         if len(ranks) == 1:
             load[ranks[0]] += nbytes[key]
-    reader: dict[tuple, int] = {}
-    for key in sorted((k for k, r in holders.items() if len(r) > 1), key=lambda k: (-nbytes[k], k)):
-        best = min(holders[key], key=lambda r: (load[r], r))
-        reader[key] = best
-        load[best] += nbytes[key]
+    shared = sorted((k for k, r in holders.items() if len(r) > 1), key=lambda k: (-nbytes[k], k))
+    reader = dict(zip(shared, least_loaded(load, ((holders[k], nbytes[k]) for k in shared))))
     mine = {}
     for i, t in enumerate(targets):
         key = (t.fqn, t.box.offsets, t.box.sizes)

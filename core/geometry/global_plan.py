@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hpckpt.core.geometry.assign import least_loaded
 from hpckpt.core.geometry.box import Box
 from hpckpt.core.dtypes import DType, dtype as parse_dtype
 from hpckpt.core.errors import EntryMismatchError, GeometryError
@@ -279,17 +280,9 @@ def _stored_boxes(rows, width, ndims, shapes, names, dtypes, dedup, world_size):
         np.add.at(load, owner[single], nbytes[single])
         # largest first; ties: tensor order, then first appearance (rank, then slot)
         ranked = shared[np.lexsort((slot_col[starts[shared]], rank_col[starts[shared]], g_tid[shared], -nbytes[shared]))]
-        loads = load.tolist()
-        for g in ranked.tolist():
-            s, c = int(starts[g]), int(counts[g])
-            holders = rank_col[s:s + c]
-            if c <= 16:
-                best = min(holders.tolist(), key=lambda r: (loads[r], r))
-            else:
-                hl = np.array([loads[r] for r in holders.tolist()])
-                best = int(holders[int(np.argmin(hl))])
-            owner[g] = best
-            loads[best] += int(nbytes[g])
+        ranked = ranked.tolist()
+        owner[ranked] = least_loaded(load.tolist(), ((rank_col[int(starts[g]):int(starts[g] + counts[g])], nbytes[g])
+                                                     for g in ranked))
     return g_tid, owner, g_off, g_size
 
 

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
+from hpckpt.core.geometry.assign import least_loaded
 from hpckpt.core.geometry.box import Box
 from hpckpt.core.io.cast import CASTABLE
 from hpckpt.core.dtypes import DType
@@ -108,8 +109,8 @@ def out_dtype(source: DType, cast_to: DType | None) -> DType:
 
 
 def _owners(boxes: list[RankBoxes], itemsizes: list[int], world_size: int) -> list[np.ndarray]:
-    """The storing rank of every box: its holder when it has one, else the least-loaded holder,
-    largest boxes first (ties: tensor order, then first appearance), lowest rank on equal load."""
+    """The storing rank of every box: its holder when it has one, else `least_loaded`'s choice,
+    largest boxes first (ties: tensor order, then first appearance)."""
     load = np.zeros(world_size, np.int64)
     owners: list[np.ndarray] = []
     shared: list[tuple[int, int, int]] = []
@@ -121,14 +122,9 @@ def _owners(boxes: list[RankBoxes], itemsizes: list[int], world_size: int) -> li
         owners.append(owner)
         shared += [(-int(nbytes[i]), t, i) for i in np.flatnonzero(~single).tolist()]
     shared.sort()
-    for neg_bytes, t, i in shared:
-        holders = boxes[t].holders(i)
-        if len(holders) <= 16:
-            best = min(holders.tolist(), key=lambda r: (load[r], r))
-        else:
-            best = int(holders[np.argmin(load[holders])])
+    chosen = least_loaded(load.tolist(), ((boxes[t].holders(i), -neg_bytes) for neg_bytes, t, i in shared))
+    for (_, t, i), best in zip(shared, chosen):
         owners[t][i] = best
-        load[best] -= neg_bytes
     return owners
 
 
