@@ -16,15 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from hpckpt.api.reports import ChecksumReport
-from hpckpt.api.verify import _Progress, _record_findings, checkpoint_path, metadata_names, stored_boxes, workers
+from hpckpt.api.stored_boxes import metadata_names, stored_boxes
+from hpckpt.api.verify import _Progress, _record_findings, checkpoint_path, workers
 from hpckpt.converters import index_cache, open_index
-from hpckpt.core.io import digest
-from hpckpt.core.safety import input_files
 from hpckpt.core.commit import manifest
-from hpckpt.core.commit.durable import fsync_path, write_file
-from hpckpt.core.errors import ERROR_CLASSES, CorruptDataError, DestinationExistsError
 from hpckpt.core.commit.lock import reading
+from hpckpt.core.commit.replace import replace_file
+from hpckpt.core.errors import ERROR_CLASSES, CorruptDataError, DestinationExistsError
+from hpckpt.core.io import digest
 from hpckpt.core.paths import resolve_inside
+from hpckpt.core.safety import input_files
 from hpckpt.core.safety.validate import Finding, exit_code, validate
 
 LISTED_FORMATS = ("hyperparallel", "torch-dcp")  # their manifest carries the listing `inspect` reads
@@ -105,12 +106,4 @@ def _hash_file(root: Path, name: str, size: int, boxes: list, progress: _Progres
 def _write_atomically(path: Path, data: bytes) -> None:
     """Temporary file in the same directory, fsynced, renamed over `path`, directory fsynced:
     a reader sees the old manifest or the whole new one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    try:
-        write_file(tmp, data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_path(path.parent)
+    replace_file(path, data, fsync=True, fsync_dir=True, aside=path.with_name(f".{path.name}.tmp-{os.getpid()}"))

@@ -9,9 +9,9 @@ from hpckpt.api import pipeline
 from hpckpt.api.options import Selection, parse_size
 from hpckpt.api.reports import WriteReport
 from hpckpt.converters import format_named, open_index
-from hpckpt.core.index import CheckpointIndex
-from hpckpt.core.geometry.layout import LayoutSpec
 from hpckpt.core.commit.lock import holds_source
+from hpckpt.core.geometry.layout import LayoutSpec
+from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.io.write import WriteSettings
 
 

@@ -17,12 +17,12 @@ from hpckpt.api.layouts import check_fit, source_layout
 from hpckpt.api.options import Selection, parse_size
 from hpckpt.api.reports import WriteReport
 from hpckpt.converters import format_for_extension, format_named, open_index
-from hpckpt.core.errors import UnknownFormatError
-from hpckpt.core.index import CheckpointIndex
-from hpckpt.core.geometry.layout import LayoutSpec
 from hpckpt.core.commit.lock import holds_source
-from hpckpt.core.view import renamed_view
+from hpckpt.core.errors import UnknownFormatError
+from hpckpt.core.geometry.layout import LayoutSpec
+from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.io.write import WriteSettings
+from hpckpt.core.view import renamed_view
 
 
 def rename(index: CheckpointIndex, rules: Any, select: Selection):

@@ -22,11 +22,11 @@ import numpy as np
 from hpckpt.api.convert import rename
 from hpckpt.api.options import Selection
 from hpckpt.converters import open_index
-from hpckpt.core.geometry.box import Box
-from hpckpt.core.io.cast import to_float32
-from hpckpt.core.index import CheckpointIndex, TensorEntry
 from hpckpt.core.commit.lock import reading
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.geometry.overlap import check_inside
+from hpckpt.core.index import CheckpointIndex, TensorEntry
+from hpckpt.core.io.cast import to_float32
 from hpckpt.core.io.read import OpenFiles, read_box
 from hpckpt.core.safety.validate import refuse_interrupted
 

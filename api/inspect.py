@@ -12,9 +12,9 @@ from hpckpt.api.options import Selection
 from hpckpt.api.reports import InspectReport
 from hpckpt.converters import open_index
 from hpckpt.core.errors import HpckptError
+from hpckpt.core.geometry.layout import inferred_layouts
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.json_values import jsonable
-from hpckpt.core.geometry.layout import inferred_layouts
 
 _RANK = re.compile(r"_rank(\d+)[_.]|^__(\d+)_\d+\.distcp$")
 

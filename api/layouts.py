@@ -11,9 +11,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hpckpt.core.index import CheckpointIndex
-from hpckpt.core.geometry.layout import LayoutSpec, Mesh, Replicate, Shard, TensorLayout, infer
 from hpckpt.core.errors import PlacementFitError
+from hpckpt.core.geometry.layout import LayoutSpec, Mesh, Replicate, Shard, TensorLayout, infer
+from hpckpt.core.index import CheckpointIndex
 
 
 def _splits(found) -> tuple[Shard, ...]:

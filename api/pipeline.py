@@ -16,19 +16,19 @@ from pathlib import Path
 
 from hpckpt.api.layouts import check_fit
 from hpckpt.api.reports import PlanSummary, WriteReport
-from hpckpt.core.io.accounting import check_plan, check_source_chunks
-from hpckpt.converters.base import Format, WriterOptions
 from hpckpt.converters import index_cache
+from hpckpt.converters.base import Format, WriterOptions
 from hpckpt.core import dtypes
 from hpckpt.core.commit import manifest
 from hpckpt.core.dtypes import DType
-from hpckpt.core.index import CheckpointIndex
-from hpckpt.core.geometry.layout import LayoutSpec
 from hpckpt.core.errors import UnsupportedDTypeError
+from hpckpt.core.geometry.layout import LayoutSpec
 from hpckpt.core.geometry.plan import Plan, make_plan, out_dtype, whole_tensor_plan
 from hpckpt.core.geometry.plan_stats import rank_stats
-from hpckpt.core.safety.validate import refuse_interrupted
+from hpckpt.core.index import CheckpointIndex
+from hpckpt.core.io.accounting import check_plan, check_source_chunks
 from hpckpt.core.io.write import ManifestFields, WriteSettings, write_plan
+from hpckpt.core.safety.validate import refuse_interrupted
 
 
 @dataclass(frozen=True)

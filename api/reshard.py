@@ -11,9 +11,9 @@ from hpckpt.api.options import Selection
 from hpckpt.api.reports import FinalizeReport, WriteReport
 from hpckpt.converters import format_named, open_index
 from hpckpt.core.commit import staging as commit
-from hpckpt.core.index import CheckpointIndex
-from hpckpt.core.geometry.layout import LayoutSpec
 from hpckpt.core.commit.lock import holds_source
+from hpckpt.core.geometry.layout import LayoutSpec
+from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.io.write import WriteSettings
 
 

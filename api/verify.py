@@ -20,26 +20,29 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from hpckpt.api.inspect import rank_of
+from hpckpt.api.nonfinite import nonfinite_counts, nonfinite_report
 from hpckpt.api.reports import VerifyReport
+from hpckpt.api.stored_boxes import StoredBox, StoredBoxes, located_chunks, metadata_names, stored_boxes
 from hpckpt.converters import hpckpt_json, open_index
-from hpckpt.core.io import digest
-from hpckpt.core.safety import input_files
 from hpckpt.core.commit import manifest
-from hpckpt.core.geometry.box import Box
-from hpckpt.core.errors import CorruptDataError, CorruptMetadataError, HpckptError
-from hpckpt.core.index import BufferLocation, CheckpointIndex, Chunk, Location, TensorEntry
 from hpckpt.core.commit.lock import reading
-from hpckpt.core.paths import resolve_inside
-from hpckpt.core.io.read import OpenFiles, read_region
+from hpckpt.core.errors import CorruptMetadataError, HpckptError
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.geometry.tiles import contiguous_tiles
+from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry
+from hpckpt.core.io import digest
+from hpckpt.core.io.read import OpenFiles, read_region
+from hpckpt.core.paths import resolve_inside
+from hpckpt.core.safety import input_files
 from hpckpt.core.safety.validate import Finding, validate
+
 
 READ_BLOCK = 8 * 1024 * 1024  # bytes of one chunk read (and of the NaN count's temporaries)
 TASK_BYTES = 256 * 1024 * 1024  # chunks of one file read by one task: a large file uses every thread
@@ -81,110 +84,6 @@ def _record_findings(index: CheckpointIndex) -> list[Finding]:
 
 
 @dataclass(frozen=True)
-class NonFinite(Finding):
-    """A floating tensor holding NaN or infinities: a warning (`--strict` fails on it, with
-    the exit code of corrupt data: such values are usually a diverged run's)."""
-
-    @property
-    def exit_code(self) -> int:
-        return CorruptDataError.exit_code
-
-
-# -- which bytes are a box ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StoredBox:
-    """A stored chunk whose bytes are one dense C-order run of its file: what a manifest box is."""
-
-    fqn: str
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    extents: tuple[tuple[int, int], ...]
-
-
-@dataclass
-class StoredBoxes:
-    """Per data file, its boxes in file order, and the chunks only its file digest covers
-    (`(fqn, reason)`: strided, or bytes shared with another chunk)."""
-
-    boxes: dict[str, list[StoredBox]] = field(default_factory=dict)
-    digest_only: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
-
-
-def _dense(loc: Location, chunk: Chunk) -> bool:
-    """The chunk's bytes are one C-order run (a box's digest is taken in file order)."""
-    if int(np.prod(loc.stored_shape, dtype=np.int64)) != chunk.box.volume:
-        return False
-    if loc.strides is None:
-        return True
-    expected, step = [], 1
-    for s in reversed(loc.stored_shape):
-        expected.append(step)
-        step *= max(s, 1)
-    return all(z <= 1 or s == e for z, s, e in zip(loc.stored_shape, loc.strides, reversed(expected)))
-
-
-def _located_chunks(index: CheckpointIndex, skip: set[str]):
-    """`(entry, chunk, location)` of every stored chunk a deep check reads: of a dtype hpckpt
-    reads, not empty, inside its tensor, not in a file of `skip`, and locatable (the structural
-    checks report the others)."""
-    for entry in index.tensors.values():
-        if entry.dtype.refusal is not None:
-            continue
-        for chunk in entry.chunks:
-            if chunk.file in skip or chunk.box.is_empty or not chunk.box.inside(entry.shape):
-                continue
-            try:
-                loc = index.locate(chunk, entry)
-            except HpckptError:
-                continue
-            yield entry, chunk, loc
-
-
-def stored_boxes(index: CheckpointIndex, skip: set[str] = frozenset()) -> StoredBoxes:
-    """The boxes of every data file as its metadata lists them (chunks of files in `skip`, and
-    chunks that cannot be located, are left out: the structural checks report those)."""
-    out = StoredBoxes()
-    candidates: dict[str, list[tuple[int, int, StoredBox]]] = {}
-    for entry, chunk, loc in _located_chunks(index, skip):
-        if isinstance(loc, BufferLocation):
-            continue
-        nbytes = chunk.box.volume * entry.dtype.itemsize
-        if not _dense(loc, chunk):
-            out.digest_only.setdefault(chunk.file, []).append((entry.fqn, "strided"))
-            continue
-        box = StoredBox(entry.fqn, tuple(chunk.box.offsets), tuple(chunk.box.sizes), ((loc.offset, nbytes),))
-        candidates.setdefault(chunk.file, []).append((loc.offset, nbytes, box))
-    for name, runs in candidates.items():
-        runs.sort(key=lambda r: (r[0], r[1]))
-        distinct: list[tuple[int, int, StoredBox]] = []
-        for offset, nbytes, box in runs:
-            if distinct and distinct[-1][:2] == (offset, nbytes):  # a replica stored once, listed twice
-                out.digest_only.setdefault(name, []).append((box.fqn, "the same bytes as another chunk"))
-            else:
-                distinct.append((offset, nbytes, box))
-        shared, active = set(), []  # `active`: earlier runs that end after the current start
-        for i, (offset, nbytes, _) in enumerate(distinct):
-            active = [j for j in active if distinct[j][0] + distinct[j][1] > offset]
-            if active:
-                shared.update(active)
-                shared.add(i)
-            active.append(i)
-        for i, (_, _, box) in enumerate(distinct):
-            if i in shared:
-                out.digest_only.setdefault(name, []).append((box.fqn, "bytes overlap another chunk's"))
-        out.boxes[name] = [box for i, (_, _, box) in enumerate(distinct) if i not in shared]
-    return out
-
-
-def metadata_names(index: CheckpointIndex) -> list[str]:
-    """The files besides the data files that hold what the checkpoint is: its metadata files
-    and the values sidecar (a manifest records their digests)."""
-    values = {v.file for v in index.values.values()} - set(index.data_files)
-    return sorted((set(index.metadata_files) | values) - {manifest.NAME})
-
-
 # -- the deep checks ----------------------------------------------------------------------------
 
 
@@ -277,7 +176,7 @@ def _deep(index: CheckpointIndex, ckpt: Path, findings: list[Finding], nan: bool
             findings.append(Finding(listed[0].kind, "error", f"{name}: {len(listed) - MAX_LISTED} more chunks "
                                     "cannot be read", file=name))
     if nan:
-        counts = _nonfinite_report(index, per_tensor, findings)
+        counts = nonfinite_report(index, per_tensor, findings)
     doc["bytes_read"] = counted.bytes
     doc["seconds"] = round(time.perf_counter() - started, 3)
     return doc, counts
@@ -396,7 +295,7 @@ def _chunk_reads(index: CheckpointIndex, skip: set[str]) -> list[tuple[TensorEnt
     one thread); `counted` is False for a second copy of a box (a replica is read, not counted)."""
     out = []
     seen: set[tuple[str, Box]] = set()
-    for entry, chunk, loc in _located_chunks(index, skip):
+    for entry, chunk, loc in located_chunks(index, skip):
         out.append((entry, chunk, loc, (entry.fqn, chunk.box) not in seen, chunk.box.volume * entry.dtype.itemsize))
         seen.add((entry.fqn, chunk.box))
     return out
@@ -451,50 +350,3 @@ def _read_task(index: CheckpointIndex, task: list, nan: bool,
                 findings.append(Finding("corrupt-data", "error", f"{chunk.file}: {entry.fqn}: chunk {chunk.box} "
                                         f"cannot be read ({exc.strerror})", fqn=entry.fqn, file=chunk.file))
     return findings, tallies, len(task)
-
-
-# -- NaN and infinities -------------------------------------------------------------------------
-
-# IEEE-like formats: (bits, magnitude mask, +Inf); -Inf is +Inf with the sign bit, NaN any larger magnitude
-_IEEE = {"float16": (np.uint16, 0x7FFF, 0x7C00), "bfloat16": (np.uint16, 0x7FFF, 0x7F80),
-         "float32": (np.uint32, 0x7FFF_FFFF, 0x7F80_0000),
-         "float64": (np.uint64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000), "float8_e5m2": (np.uint8, 0x7F, 0x7C)}
-# formats without infinities: (magnitude mask, the NaN pattern under it)
-_NAN_ONLY = {"float8_e4m3fn": (0x7F, 0x7F), "float8_e4m3fnuz": (0xFF, 0x80), "float8_e5m2fnuz": (0xFF, 0x80),
-             "float8_e8m0fnu": (0xFF, 0xFF)}
-
-
-def nonfinite_counts(values: np.ndarray, dtype_name: str) -> tuple[int, int, int]:
-    """`(NaN, +Inf, -Inf)` among `values`, numpy's storage of `dtype_name` (raw bits for
-    bfloat16 and float8), counted on the bit patterns (float4/float6 have none)."""
-    if dtype_name in _IEEE:
-        kind, mask, inf = _IEEE[dtype_name]
-        bits = values.reshape(-1).view(kind)
-        magnitude = np.bitwise_and(bits, kind(mask))
-        special = int(np.count_nonzero(magnitude >= kind(inf)))
-        if not special:
-            return 0, 0, 0
-        infinite = magnitude == kind(inf)
-        negative = int(np.count_nonzero(infinite & (bits != magnitude)))
-        positive = int(np.count_nonzero(infinite)) - negative
-        return special - positive - negative, positive, negative
-    if dtype_name in _NAN_ONLY:
-        mask, pattern = _NAN_ONLY[dtype_name]
-        bits = values.reshape(-1).view(np.uint8)
-        return int(np.count_nonzero(np.bitwise_and(bits, np.uint8(mask)) == pattern)), 0, 0
-    return 0, 0, 0
-
-
-def _nonfinite_report(index: CheckpointIndex, per_tensor: dict[str, list[int]],
-                      findings: list[Finding]) -> tuple[dict, ...]:
-    rows = []
-    for entry in index.tensors.values():
-        if not entry.dtype.is_floating or entry.dtype.refusal is not None:
-            continue
-        nan, pos, neg = per_tensor.get(entry.fqn, (0, 0, 0))
-        rows.append({"name": entry.fqn, "dtype": entry.dtype.name, "elements": int(np.prod(entry.shape, dtype=np.int64)),
-                     "nan": nan, "posinf": pos, "neginf": neg})
-        if nan or pos or neg:
-            said = ", ".join(f"{n} {what}" for n, what in ((nan, "NaN"), (pos, "+Inf"), (neg, "-Inf")) if n)
-            findings.append(NonFinite("non-finite", "warning", f"{entry.fqn}: {said}", fqn=entry.fqn))
-    return tuple(rows)

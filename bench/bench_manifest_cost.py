@@ -129,7 +129,7 @@ def dist_once(dst: Path, manifest: bool, size: int) -> tuple[float, float]:
 import functools, os, shutil, sys, time
 import numpy as np, torch
 import hpckpt.dist as hdist
-save_module = sys.modules["hpckpt.dist.save"]
+save_module = sys.modules["hpckpt.dist.save_commit"]
 save_module.WriteSettings = functools.partial(save_module.WriteSettings, manifest={manifest})
 rows = max(1, {size} // 8 // 4 // 4096)
 state = {{f"layer{{i}}.weight": torch.randn(rows, 4096) for i in range(8)}}

@@ -229,7 +229,7 @@ def planning_probes(work: Path, mesh, n: int = 15) -> dict:
 
 
 def async_parts(state: dict, n: int = 3) -> dict:
-    """What `async_save` blocks on besides its gather: `hpckpt.dist.save._describe` (an internal
+    """What `async_save` blocks on besides its gather: `hpckpt.dist.save_plan._describe` (an internal
     function: flatten, boxes, the staging copy, values pickled and checked, LocalPlan) with and
     without the copy, next to a plain `clone()` of every shard (slowest rank each)."""
     import importlib
@@ -238,7 +238,7 @@ def async_parts(state: dict, n: int = 3) -> dict:
     from hpckpt.dist.flatten import flatten
     from hpckpt.dist.output_formats import FORMATS
 
-    hsave = importlib.import_module("hpckpt.dist.save")  # the module (hpckpt.dist.save is also the function)
+    hsave = importlib.import_module("hpckpt.dist.save_plan")  # where a save describes its state
     flat, paths = flatten(state, frameworks.is_any_tensor)
     fw = frameworks.of_state(flat)
 

@@ -73,7 +73,7 @@ def main() -> int:
     from hpckpt.api import pipeline
     from hpckpt.cli import app
     from hpckpt.core.commit import staging as commit
-    from hpckpt.core.io import engine
+    from hpckpt.core.io import box_filler, engine
     from hpckpt.core.io import write
     import hpckpt.converters as converters
 
@@ -86,11 +86,12 @@ def main() -> int:
     pipeline.rank_stats = timed("rank_stats (--plan figures)", pipeline.rank_stats)
     engine.source_pieces = timed("engine.source_pieces (reads of every box)", engine.source_pieces)
     engine._fill_file = timed("engine._fill_file (per file)", engine._fill_file)
-    engine._BoxFiller._direct = timed("_BoxFiller._direct (copy_file_range path)", engine._BoxFiller._direct)
-    engine._BoxFiller._gather = timed("_BoxFiller._gather (pread into tile buffer)", engine._BoxFiller._gather)
+    engine.BoxFiller._direct = timed("BoxFiller._direct (copy_file_range path)", engine.BoxFiller._direct)
+    engine.BoxFiller._gather = timed("BoxFiller._gather (pread into tile buffer)", engine.BoxFiller._gather)
     engine._crc_at = timed("engine._crc_at (CRC read-back)", engine._crc_at)
     engine.finish = timed("engine.finish (patches, fsync)", engine.finish)
-    engine.start_writeback = timed("start_writeback (sync_file_range)", engine.start_writeback)
+    engine.start_writeback = box_filler.start_writeback = timed("start_writeback (sync_file_range)",
+                                                                engine.start_writeback)
     os.copy_file_range = timed("os.copy_file_range", os.copy_file_range)
     os.pwrite = timed("os.pwrite", os.pwrite)
     os.preadv = timed("os.preadv", os.preadv)

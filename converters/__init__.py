@@ -28,7 +28,7 @@ from hpckpt.core.errors import (
     UnknownFormatError,
 )
 from hpckpt.core.index import CheckpointIndex
-from hpckpt.core.safety.unpickle import SNIFF_BYTES, pickle_globals, sniff_head
+from hpckpt.core.safety.pickle_scan import SNIFF_BYTES, pickle_globals, sniff_head
 
 _HP_READER = HyperParallelReader()
 

@@ -43,9 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from hpckpt.core.geometry.plan import Plan
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.io.output import Finished, OutputLayout
-from hpckpt.core.geometry.plan import Plan
 
 
 class FormatReader(Protocol):

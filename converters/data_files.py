@@ -14,10 +14,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hpckpt.core.io import checksums
-
-from hpckpt.core.safety import input_files
-
 from hpckpt.core.codecs import safetensors_io
 from hpckpt.core.errors import (
     CorruptDataError,
@@ -27,8 +23,10 @@ from hpckpt.core.errors import (
     UnsupportedDTypeError,
 )
 from hpckpt.core.index import Chunk, Location, TensorEntry, ValueEntry
-from hpckpt.core.paths import resolve_inside
+from hpckpt.core.io import checksums
 from hpckpt.core.io.read import open_data_file, pread_exact
+from hpckpt.core.paths import resolve_inside
+from hpckpt.core.safety import input_files
 from hpckpt.core.safety.unpickle import loads
 
 ZIP_MAGIC = b"PK\x03\x04"

@@ -17,15 +17,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hpckpt.converters.base import WriterOptions
-from hpckpt.converters.safetensors_pieces import PER_RANK_FILE
 from hpckpt.converters import values_sidecar
+from hpckpt.converters.base import WriterOptions
 from hpckpt.converters.safetensors_file import flavour, index_safetensors_files, safetensors_file, whole_tensors
-from hpckpt.core.safety import input_files
+from hpckpt.converters.safetensors_pieces import PER_RANK_FILE
 from hpckpt.core.errors import CorruptMetadataError
+from hpckpt.core.geometry.plan import Plan
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.io.output import Finished, OutputLayout
-from hpckpt.core.geometry.plan import Plan
+from hpckpt.core.safety import input_files
 
 INDEX_NAME = "model.safetensors.index.json"
 SIDECAR_NAME = "values.json"  # hpckpt's values beside the shards (converters.values_sidecar)

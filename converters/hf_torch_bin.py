@@ -22,17 +22,17 @@ from hpckpt.converters.torch_save_file import (
     head_of,
     truncated_zip_head,
 )
-from hpckpt.core.safety import input_files
 from hpckpt.core.codecs import torch_zip
-from hpckpt.core.geometry.box import full_box
 from hpckpt.core.errors import (
     CorruptDataError,
     CorruptMetadataError,
     MissingFileError,
     UnknownFormatError,
 )
+from hpckpt.core.geometry.box import full_box
 from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry
 from hpckpt.core.paths import resolve_inside
+from hpckpt.core.safety import input_files
 
 SINGLE_NAME = "pytorch_model.bin"
 _INDEX = re.compile(r"^pytorch_model(\.[\w-]+)?\.bin\.index(\.[\w-]+)?\.json$")

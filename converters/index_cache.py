@@ -20,16 +20,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Callable
 
 from hpckpt import __version__
 from hpckpt.core import dtypes
-from hpckpt.core.safety import input_files
 from hpckpt.core.commit import manifest
+from hpckpt.core.commit.replace import replace_file
 from hpckpt.core.errors import HpckptError
 from hpckpt.core.index import CheckpointIndex, Chunk, Locator, TensorEntry, ValueEntry
+from hpckpt.core.safety import input_files
 
 MIN_METADATA_BYTES = 4 * 1024 * 1024
 _MAGIC = b"HPCKPT-INDEX-3\n"
@@ -87,10 +87,7 @@ def store(index: CheckpointIndex) -> None:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         data = _MAGIC + json.dumps(_encode(index), separators=(",", ":")).encode()
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        replace_file(path, data, fsync=False, mode=0o600)  # a cache: rebuilt if lost
     except OSError:
         pass
 

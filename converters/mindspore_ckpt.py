@@ -22,13 +22,13 @@ from hpckpt.converters.base import WriterOptions
 from hpckpt.converters.safetensors_file import whole_tensors
 from hpckpt.core import dtypes
 from hpckpt.core.codecs import mindspore_ckpt as ckpt
-from hpckpt.core.io.output import Extent, FileLayout, Finished, OutputLayout, Placement
-from hpckpt.core.geometry.plan import Plan
-from hpckpt.core.safety import input_files
 from hpckpt.core.codecs import safetensors_io
 from hpckpt.core.errors import (CorruptDataError, EntryMismatchError, HpckptError, NotACheckpointError,
                                  UnknownFormatError)
+from hpckpt.core.geometry.plan import Plan
 from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry, parse_range_key
+from hpckpt.core.io.output import Extent, FileLayout, Finished, OutputLayout, Placement
+from hpckpt.core.safety import input_files
 
 SNIFF_BYTES = 4096
 STRING_ENCODING = "utf-32"  # `ValueEntry.encoding` of MindSpore `str` values

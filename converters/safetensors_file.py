@@ -16,14 +16,14 @@ from typing import Any
 from hpckpt.converters import values_sidecar
 from hpckpt.converters.base import WriterOptions
 from hpckpt.converters.data_files import ZIP_MAGIC, DataFileLocator
-from hpckpt.core.safety import input_files
-from hpckpt.core.codecs import safetensors_io
 from hpckpt.converters.safetensors_pieces import HP_RANK_FILE, carried_metadata, saved_offsets, single_file_notes
-from hpckpt.core.geometry.box import Box, full_box
+from hpckpt.core.codecs import safetensors_io
 from hpckpt.core.errors import CorruptMetadataError, HpckptError
+from hpckpt.core.geometry.box import Box, full_box
+from hpckpt.core.geometry.plan import Plan, PlannedBox, PlannedTensor
 from hpckpt.core.index import CheckpointIndex, Chunk, TensorEntry
 from hpckpt.core.io.output import Extent, FileLayout, Finished, OutputLayout, Placement
-from hpckpt.core.geometry.plan import Plan, PlannedBox, PlannedTensor
+from hpckpt.core.safety import input_files
 
 
 def index_safetensors_files(root: Path, files: list[str], fmt: str, *, assemble: bool = True,

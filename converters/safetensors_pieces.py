@@ -16,9 +16,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from hpckpt.core.safety import input_files
-from hpckpt.core.errors import CorruptMetadataError
 from hpckpt.core.codecs.safetensors_io import SafetensorsHeader
+from hpckpt.core.errors import CorruptMetadataError
+from hpckpt.core.safety import input_files
 
 SHARDING_KEY = "DCP_SHARDING_INFO"
 #: Keys that describe the file they are in (its pieces, its framework flavour, its CRC): never carried.

@@ -19,20 +19,18 @@ from typing import Any
 
 from hpckpt.converters.base import WriterOptions
 from hpckpt.converters.safetensors_file import whole_tensors
-from hpckpt.core.io.output import Extent, FileLayout, Finished, OutputLayout, Placement
-from hpckpt.core.geometry.plan import Plan
-from hpckpt.core.codecs.torch_archive import TorchArchive, archive_name_for
-
-from hpckpt.core.safety import input_files
-
 from hpckpt.core.codecs import torch_zip
-from hpckpt.core.geometry.box import full_box
+from hpckpt.core.codecs.pickle_builder import loadable_values
+from hpckpt.core.codecs.torch_archive import TorchArchive, archive_name_for
+from hpckpt.core.codecs.torch_records import is_tensor_record
 from hpckpt.core.errors import CorruptDataError, HpckptError, UnknownFormatError
+from hpckpt.core.geometry.box import full_box
+from hpckpt.core.geometry.plan import Plan
 from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry
+from hpckpt.core.io.output import Extent, FileLayout, Finished, OutputLayout, Placement
 from hpckpt.core.nesting import flatten_nested, holds_tensor
 from hpckpt.core.paths import resolve_inside
-from hpckpt.core.codecs.pickle_builder import loadable_values
-from hpckpt.core.codecs.torch_records import is_tensor_record
+from hpckpt.core.safety import input_files
 
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"  # pickle of torch's legacy magic number
 _EXTENSIONS = (".pt", ".pth", ".bin")  # the torch-save format's (converters.FORMATS)

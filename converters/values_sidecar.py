@@ -19,10 +19,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hpckpt.core.safety import input_files
 from hpckpt.core.errors import CorruptMetadataError
 from hpckpt.core.index import ValueEntry
 from hpckpt.core.json_values import values_document
+from hpckpt.core.safety import input_files
 
 #: A sidecar larger than this is not ours (values are small): refused rather than parsed.
 MAX_SIDECAR_BYTES = input_files.MAX_SIDECAR_BYTES

@@ -20,9 +20,9 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from hpckpt.core.geometry.box import Box
 from hpckpt.core.dtypes import DType
 from hpckpt.core.errors import CorruptMetadataError
+from hpckpt.core.geometry.box import Box
 
 
 def int_rows(rows: Sequence[Sequence[int]], ndim: int, what: str = "a chunk") -> np.ndarray:

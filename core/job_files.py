@@ -15,7 +15,6 @@ never half of one. Framework-free: the CLI and the workers both import it.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import threading
@@ -23,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from hpckpt.core.commit import replace
 
 RUNNING, OK, FAILED = "running", "ok", "failed"
 PROGRESS_INTERVAL = 0.2  # seconds between two rewrites of a progress file
@@ -46,19 +47,11 @@ def result_path(run_dir: Path, rank: int) -> Path:
 
 
 def write_json(path: Path, document: Any) -> None:
-    """Write aside, then rename: readers polling the file never see a partial document."""
-    path = Path(path)
-    aside = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    aside.write_text(json.dumps(document, ensure_ascii=False))
-    os.replace(aside, path)
+    """Replaced whole: readers polling the file never see a partial document."""
+    replace.write_json(Path(path), document, ensure_ascii=False)
 
 
-def read_json(path: Path) -> Any | None:
-    """The document, or None when the file is not there (yet) or is not JSON."""
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
+read_json = replace.read_json
 
 
 def write_status(run_dir: Path, rank: int, state: str, *, kind: str | None = None,

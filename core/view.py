@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from hpckpt.core.codecs.torch_records import contiguous_strides
 from hpckpt.core.geometry.box import Box
 from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry
-from hpckpt.core.codecs.torch_records import contiguous_strides
 
 
 def _permute(values: tuple[int, ...], perm: tuple[int, ...]) -> tuple[int, ...]:

@@ -19,11 +19,11 @@ state dict holds their tensors (`hpckpt.core` and the CLI import neither).
     loaded = hdist.load(state, "ckpt/step200")        # fills the tensors of `state` in place
 """
 
-from hpckpt.dist.results import AsyncSaveHandle, LoadResult, SaveResult
-from hpckpt.dist.save import async_save, save
-from hpckpt.dist.load import load
 from hpckpt.core.errors import CoordinationTimeoutError
 from hpckpt.dist.layouts import Sharded, sharded
+from hpckpt.dist.load import load
+from hpckpt.dist.results import AsyncSaveHandle, LoadResult, SaveResult
+from hpckpt.dist.save import async_save, save
 
 __all__ = ["save", "async_save", "load", "sharded", "Sharded", "SaveResult", "LoadResult", "AsyncSaveHandle",
            "CoordinationTimeoutError"]

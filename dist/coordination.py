@@ -19,13 +19,13 @@ verdict it could compute itself.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import time
 from pathlib import Path
 from typing import Any
 
+from hpckpt.core.commit import replace
 from hpckpt.core.errors import CoordinationTimeoutError
 
 START = ".hpckpt-start.json"
@@ -68,21 +68,12 @@ class Collectives:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    """Write `obj` as JSON at `path` so that a reader sees all of it or nothing."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.part")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, separators=(",", ":"))
-    os.replace(tmp, path)
+    """`obj` at `path`, replaced whole; the temporary name keeps the exchange files' prefix, so a
+    killed write leaves nothing a committed checkpoint could keep."""
+    replace.write_json(path, obj, aside=path.with_name(f"{path.name}.{os.getpid()}.part"), separators=(",", ":"))
 
 
-def read_json(path: Path) -> Any | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
-        return None  # not ours, or being replaced: read again
+read_json = replace.read_json  # None: not there, not ours, or being replaced: read again
 
 
 class Storage:

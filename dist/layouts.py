@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from hpckpt.core.geometry.box import Box
 from hpckpt.core.errors import GeometryError
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.geometry.layout import Mesh, TensorLayout, from_tensor_map, parse_placements
 
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from hpckpt.core.geometry.assign import least_loaded
 from hpckpt.converters import open_index
-from hpckpt.core.geometry.box import Box
-from hpckpt.core.errors import EntryMismatchError
 from hpckpt.core.commit.lock import reading
+from hpckpt.core.errors import EntryMismatchError
+from hpckpt.core.geometry.assign import least_loaded
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.io.read import OpenFiles, read_box
 from hpckpt.dist import frameworks
 from hpckpt.dist.call_forms import checkpoint_path, refuse_torch_only
@@ -159,9 +159,11 @@ def load(state_dict: Any, checkpoint_id: str | Path | None = None, *, process_gr
     job_read = bytes_read if job.world_size == 1 else sum(job.collectives().all_gather("load-read", bytes_read))
     job_wanted = sum({(f, tuple(o), tuple(z)): n for boxes in everyone for f, o, z, n in boxes}.values())
     resolved.restore()
-    return LoadResult(path, job.rank, job.world_size, index.format, len({t.fqn for t in targets}), len(values),
-                      bytes_read, received, job_read, job_wanted, (job_read / job_wanted) if job_wanted else 1.0,
-                      tuple(missing), unused, tuple(converted), time.perf_counter() - started)
+    return LoadResult(path=path, rank=job.rank, world_size=job.world_size, format=index.format,
+                      tensors=len({t.fqn for t in targets}), values=len(values), bytes_read=bytes_read,
+                      bytes_broadcast=received, job_bytes_read=job_read, job_bytes_wanted=job_wanted,
+                      read_amplification=(job_read / job_wanted) if job_wanted else 1.0, missing=tuple(missing),
+                      unused=unused, converted=tuple(converted), seconds=time.perf_counter() - started)
 
 
 def _wanted(targets: list[_Target]) -> list[list]:

@@ -5,7 +5,6 @@ under one header. No rank's data is read again."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 from hpckpt.converters import index_cache
 from hpckpt.core.commit import manifest
 from hpckpt.core.commit.durable import write_file
+from hpckpt.core.commit.replace import replace_file
 
 
 def part_name(rank: int) -> str:
@@ -52,15 +52,16 @@ def write_manifest(staging: Path, *, format_name: str, world_size: int, files: S
     rank's part as it wrote it (the parts are removed)."""
     doc = manifest.header(format_name=format_name, world_size=world_size, files=files, metadata=metadata,
                           index=index_cache.snapshot(written))
-    tmp = staging / f".tmp-{manifest.NAME}"
-    with open(tmp, "wb") as out:
+    parts = [staging / part_name(rank) for rank in range(world_size)]
+
+    def write(out) -> None:
         out.write(manifest.encode(doc, ()))
-        for rank in range(world_size):
-            part = staging / part_name(rank)
+        for part in parts:
             if part.exists():
                 with open(part, "rb") as f:
                     shutil.copyfileobj(f, out, 8 << 20)
-                part.unlink()
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, staging / manifest.NAME)
+
+    # fsynced; the staging directory is fsynced when the save commits
+    replace_file(staging / manifest.NAME, write, fsync=True, aside=staging / f".tmp-{manifest.NAME}")
+    for part in parts:
+        part.unlink(missing_ok=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SaveResult:
     """One rank's view of a save.
 
@@ -35,7 +35,7 @@ class SaveResult:
     blocked: float = 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoadResult:
     """One rank's view of a load, with the job's totals.
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from hpckpt.core.geometry.box import Box
-from hpckpt.core.errors import GeometryError
 from hpckpt.core.dtypes import DType
+from hpckpt.core.errors import GeometryError
+from hpckpt.core.geometry.box import Box
 from hpckpt.dist.layouts import Sharded
 
 

@@ -48,14 +48,14 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from hpckpt.converters import open_index
+from hpckpt.converters.base import WriterOptions
 from hpckpt.converters.torch_dcp.reader import TorchDcpReader
 from hpckpt.converters.torch_dcp.writer import TorchDcpWriter, distcp_name, value_archive
-from hpckpt.converters.base import WriterOptions
-from hpckpt.core.geometry.box import Box
 from hpckpt.core.commit.staging import Staging, shared_staging
 from hpckpt.core.errors import EntryMismatchError, HpckptError, UnsupportedDTypeError
-from hpckpt.core.io.memory_source import MemoryTensor, memory_index
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.geometry.plan import PlannedValue, plan_as_given
+from hpckpt.core.io.memory_source import MemoryTensor, memory_index
 from hpckpt.core.io.read import OpenFiles, read_box
 from hpckpt.core.io.write import WriteSettings, fill, lay_out
 from hpckpt.dist import manifest_parts

@@ -20,7 +20,7 @@ from hpckpt.converters import format_named, open_index
 from hpckpt.converters.hyperparallel.writer import HyperParallelWriter
 from hpckpt.core.safety import validate
 from hpckpt.core.errors import AccountingError
-from hpckpt.core.io.engine import copy_range
+from hpckpt.core.io.box_filler import copy_range
 from hpckpt.core.errors import CorruptDataError
 from hpckpt.core.io.output import OutputLayout
 from hpckpt.core.io.write import WriteSettings

@@ -281,7 +281,7 @@ def _on_a_terminal(*args) -> tuple[int, str, str]:
             shown += chunk
         elif proc.poll() is not None:
             break
-    stdout = proc.stdout.read().decode()
+    stdout = proc.communicate()[0].decode()
     proc.wait()
     os.close(master)
     return proc.returncode, stdout, shown.decode(errors="replace")

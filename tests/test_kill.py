@@ -290,7 +290,7 @@ def test_a_signal_during_the_write_stops_the_run_within_a_second(signum, tmp_pat
     staging = tmp_path / f".out.hpckpt-tmp-{proc.pid}"
     assert staging.is_dir() and os.listdir(staging)
     seconds = stopped(proc, signum)
-    stderr = proc.stderr.read()
+    stderr = proc.communicate()[1]
     assert proc.returncode == 128 + signum, (proc.returncode, stderr)
     assert stderr == f"error: interrupted ({signal.Signals(signum).name})\n"
     assert seconds < 1.0, seconds
@@ -319,7 +319,7 @@ def test_a_signal_during_start_up_exits_cleanly(signum, tmp_path):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.0005)
     seconds = stopped(proc, signum)
-    stderr = proc.stderr.read()
+    stderr = proc.communicate()[1]
     assert proc.returncode == 128 + signum, (proc.returncode, stderr)
     assert stderr == f"error: interrupted ({signal.Signals(signum).name})\n"
     assert seconds < 1.0, seconds

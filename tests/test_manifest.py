@@ -200,7 +200,7 @@ def test_large_copied_ranges_are_hashed_through_a_mapping_or_the_buffer(maps, tm
     import numpy as np
     from safetensors.numpy import save_file
 
-    from hpckpt.core.io import engine
+    from hpckpt.core.io import box_filler as engine  # where the mapped copies are
     from hpckpt.core.geometry.layout import LayoutSpec
 
     src = tmp_path / "big.safetensors"

@@ -310,7 +310,7 @@ def test_a_full_disk_in_a_mapped_copy_is_the_disk_error(tmp_path):
     failed write's traceback."""
     from safetensors.numpy import save_file
 
-    from hpckpt.core.io import engine
+    from hpckpt.core.io import box_filler as engine  # where the mapped copies are
 
     src = tmp_path / "big.safetensors"
     save_file({"w": np.arange(2048 * 1024, dtype=np.float32).reshape(2048, 1024)}, str(src))

@@ -561,7 +561,7 @@ def test_a_memo_index_bomb_too_large_to_scan_is_bounded_by_the_command(tmp_path)
     import subprocess
     import sys
 
-    from hpckpt.core.safety.unpickle import SCAN_BYTES
+    from hpckpt.core.safety.pickle_scan import SCAN_BYTES
 
     root = hp_checkpoint(tmp_path / "memo")
     module, pad = b"hyper_parallel.core.distributed_checkpoint.metadata", b"x" * (SCAN_BYTES + (100 << 10))

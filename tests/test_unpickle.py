@@ -40,7 +40,9 @@ from hp_reference import (
 from hpckpt.core import dtypes
 from hpckpt.core.codecs import hyperparallel_metadata as hm
 from hpckpt.core.errors import CorruptMetadataError, UnsafePickleError
-from hpckpt.core.safety.unpickle import loads, pickle_globals, safe_global
+from hpckpt.core.safety.allow_list import safe_global
+from hpckpt.core.safety.pickle_scan import pickle_globals
+from hpckpt.core.safety.unpickle import loads
 
 # --------------------------------------------------------------------------------------------
 # A plain reader into the independent stand-ins of HyperParallel's classes (from `hp_reference`).

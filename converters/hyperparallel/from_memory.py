@@ -14,14 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from hpckpt.converters.base import WriterOptions
 from hpckpt.converters import index_cache
+from hpckpt.converters.base import WriterOptions
 from hpckpt.converters.hyperparallel.reader import HyperParallelReader
 from hpckpt.converters.hyperparallel.writer import HyperParallelWriter
-from hpckpt.core.geometry.box import Box
 from hpckpt.core.dtypes import DType
-from hpckpt.core.io.memory_source import MemoryTensor, memory_index
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.geometry.plan import PlannedValue, plan_as_given
+from hpckpt.core.io.memory_source import MemoryTensor, memory_index
 from hpckpt.core.io.write import ManifestFields, WriteSettings, write_plan
 
 

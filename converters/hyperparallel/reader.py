@@ -16,13 +16,6 @@ from hpckpt.converters import hpckpt_json, index_cache
 from hpckpt.converters.data_files import DataFileLocator
 from hpckpt.converters.torch_dcp.metadata_files import cross_check, index_entries
 from hpckpt.core import dtypes
-from hpckpt.core.safety import input_files
-from hpckpt.core.commit import manifest
-from hpckpt.core.paths import resolve_inside
-from hpckpt.core.geometry.box import Box
-from hpckpt.core.errors import CorruptMetadataError, UnknownFormatError, UnsafePathError
-from hpckpt.core.index import CheckpointIndex, Chunk, TensorEntry, ValueEntry, int_rows
-from hpckpt.core.geometry.layout import inferred_layouts
 from hpckpt.core.codecs.hyperparallel_metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -31,7 +24,15 @@ from hpckpt.core.codecs.hyperparallel_metadata import (
 )
 from hpckpt.core.codecs.hyperparallel_metadata import (bad_chunk, check_hp_metadata, check_ints, check_shape, check_shared_starts,
                                   dtype_spelling, guarded, storage_paths)
-from hpckpt.core.safety.unpickle import METADATA, loads, sniff_head
+from hpckpt.core.commit import manifest
+from hpckpt.core.errors import CorruptMetadataError, UnknownFormatError, UnsafePathError
+from hpckpt.core.geometry.box import Box
+from hpckpt.core.geometry.layout import inferred_layouts
+from hpckpt.core.index import CheckpointIndex, Chunk, TensorEntry, ValueEntry, int_rows
+from hpckpt.core.paths import resolve_inside
+from hpckpt.core.safety import input_files
+from hpckpt.core.safety.pickle_scan import sniff_head
+from hpckpt.core.safety.unpickle import METADATA, loads
 
 GLOBAL_METADATA = ".metadata"
 _RANK_LOCAL = re.compile(r"^(\d+)\.metadata$")

@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from hpckpt.converters.base import WriterOptions
-from hpckpt.core.dtypes import DType
 from hpckpt.core.codecs.hyperparallel_metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -27,10 +26,11 @@ from hpckpt.core.codecs.hyperparallel_metadata import (
     dumps_metadata,
 )
 from hpckpt.core.codecs.pickle_builder import standalone_pickle
-from hpckpt.core.codecs.torch_records import TorchDevice
-from hpckpt.core.io.output import Extent, FileLayout, Finished, OutputLayout, Placement
-from hpckpt.core.geometry.plan import Plan, PlannedTensor
 from hpckpt.core.codecs.safetensors_io import encode_header
+from hpckpt.core.codecs.torch_records import TorchDevice
+from hpckpt.core.dtypes import DType
+from hpckpt.core.geometry.plan import Plan, PlannedTensor
+from hpckpt.core.io.output import Extent, FileLayout, Finished, OutputLayout, Placement
 
 METADATA_NAME = ".metadata"
 

@@ -20,15 +20,17 @@ import os
 import re
 from pathlib import Path
 
-from hpckpt.core.safety import input_files
+from hpckpt.core.codecs.torch_dcp_metadata import Metadata, check_dcp_metadata
 from hpckpt.core.errors import (
     CorruptMetadataError,
     MissingFileError,
     NotACheckpointError,
     PathNotFoundError,
 )
-from hpckpt.core.codecs.torch_dcp_metadata import Metadata, check_dcp_metadata
-from hpckpt.core.safety.unpickle import METADATA, loads, safe_global, sniff_head
+from hpckpt.core.safety import input_files
+from hpckpt.core.safety.allow_list import safe_global
+from hpckpt.core.safety.pickle_scan import sniff_head
+from hpckpt.core.safety.unpickle import METADATA, loads
 
 GLOBAL = ".metadata"
 _DCP_MODULE = b"torch.distributed.checkpoint."

@@ -13,8 +13,8 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from hpckpt.core.dtypes import DType
 from hpckpt.core.codecs.pickle_builder import PickleBuilder
+from hpckpt.core.dtypes import DType
 
 _METADATA = "torch.distributed.checkpoint.metadata"
 _FILESYSTEM = "torch.distributed.checkpoint.filesystem"

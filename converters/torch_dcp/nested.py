@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpckpt.core.geometry.box import Box
-from hpckpt.core.errors import CorruptMetadataError, HpckptError
-from hpckpt.core.index import Chunk, TensorEntry, ValueEntry
-from hpckpt.core.nesting import flatten_nested, holds_tensor
-from hpckpt.core.paths import resolve_inside
 from hpckpt.core.codecs.torch_records import TensorRecord, is_tensor_record
 from hpckpt.core.codecs.torch_zip import load_record
 from hpckpt.core.codecs.zip_directory import records_with_storages
+from hpckpt.core.errors import CorruptMetadataError, HpckptError
+from hpckpt.core.geometry.box import Box
+from hpckpt.core.index import Chunk, TensorEntry, ValueEntry
+from hpckpt.core.nesting import flatten_nested, holds_tensor
+from hpckpt.core.paths import resolve_inside
 
 
 @dataclass

@@ -15,13 +15,21 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hpckpt.converters import hpckpt_json
+from hpckpt.converters.safetensors_pieces import saved_offsets
+from hpckpt.converters.torch_dcp import metadata_files, nested
+from hpckpt.converters.torch_dcp.metadata_files import RANK_FILE, RANK_LOCAL
 from hpckpt.core import dtypes
-
-from hpckpt.core.safety import input_files
-
 from hpckpt.core.codecs import safetensors_io
-from hpckpt.core.io.read import open_data_file
-from hpckpt.core.geometry.box import Box
+from hpckpt.core.codecs.hyperparallel_metadata import check_ints, check_shape, dtype_spelling, schema_errors
+from hpckpt.core.codecs.torch_dcp_metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+    _StorageInfo,
+)
+from hpckpt.core.codecs.torch_zip import ZIP_MAGIC, TensorRecord, load_record
 from hpckpt.core.errors import (
     CorruptDataError,
     CorruptMetadataError,
@@ -30,22 +38,12 @@ from hpckpt.core.errors import (
     MissingFileError,
     UnknownFormatError,
 )
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry, parse_range_key
+from hpckpt.core.io.read import open_data_file
 from hpckpt.core.paths import resolve_inside
-from hpckpt.core.codecs.hyperparallel_metadata import check_ints, check_shape, dtype_spelling, schema_errors
+from hpckpt.core.safety import input_files
 from hpckpt.core.safety.pickle_budget import describe
-from hpckpt.core.codecs.torch_dcp_metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorStorageMetadata,
-    _StorageInfo,
-)
-from hpckpt.converters import hpckpt_json
-from hpckpt.converters.safetensors_pieces import saved_offsets
-from hpckpt.converters.torch_dcp import metadata_files, nested
-from hpckpt.converters.torch_dcp.metadata_files import RANK_FILE, RANK_LOCAL
-from hpckpt.core.codecs.torch_zip import ZIP_MAGIC, TensorRecord, load_record
 
 METADATA = metadata_files.GLOBAL
 _ZIP_END, _ZIP_END_SIZE = b"PK\x05\x06", 22  # a zip's end-of-central-directory record (no comment)

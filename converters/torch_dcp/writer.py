@@ -17,9 +17,9 @@ from typing import Any
 from hpckpt.converters.base import WriterOptions
 from hpckpt.converters.torch_dcp.metadata_pickle import StoredItem, dumps_torch_metadata
 from hpckpt.core.codecs.pickle_builder import loadable_values, torch_loadable
-from hpckpt.core.io.output import Extent, FileLayout, Finished, OutputLayout, Placement
-from hpckpt.core.geometry.plan import Plan
 from hpckpt.core.codecs.torch_archive import TorchArchive
+from hpckpt.core.geometry.plan import Plan
+from hpckpt.core.io.output import Extent, FileLayout, Finished, OutputLayout, Placement
 
 METADATA_NAME = ".metadata"
 

@@ -16,8 +16,8 @@ from collections import OrderedDict
 from typing import Any, Iterable
 
 from hpckpt.core import dtypes
-from hpckpt.core.dtypes import DType
 from hpckpt.core.codecs.torch_records import TorchDevice, contiguous_strides
+from hpckpt.core.dtypes import DType
 
 _U32_MAX = 0xFFFFFFFF
 

@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpckpt.core import dtypes
-
-from hpckpt.core.safety import input_files
 from hpckpt.core.dtypes import DType
 from hpckpt.core.errors import CorruptDataError, HpckptError, UnknownFormatError, UnsupportedDTypeError
 from hpckpt.core.io.read import open_data_file
+from hpckpt.core.safety import input_files
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # what the safetensors library accepts
 

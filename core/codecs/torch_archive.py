@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from hpckpt.core import dtypes
-from hpckpt.core.dtypes import DType
 from hpckpt.core.codecs.pickle_builder import PickleBuilder
+from hpckpt.core.dtypes import DType
 
 #: A record's size or header offset at or above this needs zip64 fields (miniz's rule).
 #: Module-level so that tests can lower it to exercise the zip64 path without 4 GiB files.

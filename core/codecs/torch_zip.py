@@ -20,13 +20,14 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from hpckpt.core.codecs.torch_records import TensorRecord
 from hpckpt.core.dtypes import DType
 from hpckpt.core.errors import CorruptDataError, HpckptError
-from hpckpt.core.safety import input_files
 from hpckpt.core.io.read import open_data_file
+from hpckpt.core.safety import input_files
+from hpckpt.core.safety.allow_list import Resolver
 from hpckpt.core.safety.torch_globals import Storage, StorageType, record_global
-from hpckpt.core.codecs.torch_records import TensorRecord
-from hpckpt.core.safety.unpickle import Resolver, SafeUnpickler
+from hpckpt.core.safety.unpickle import SafeUnpickler
 
 __all__ = ["ZIP_MAGIC", "TensorRecord", "is_zip_record", "load_record"]
 

@@ -13,8 +13,8 @@ import os
 import struct
 from pathlib import Path
 
-from hpckpt.core.io.read import open_data_file
 from hpckpt.core.codecs.torch_zip import ZIP_MAGIC
+from hpckpt.core.io.read import open_data_file
 
 _SMALL = 64 * 1024  # a record up to this size is read whole, in one call
 

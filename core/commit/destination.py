@@ -10,6 +10,9 @@ import os
 from pathlib import Path
 
 from hpckpt.core.commit import formats
+from hpckpt.core.commit.leftovers import _STAGING_NAME, FRAGMENT_DIR, TMP_MARK, _sidecar_owner, _sidecars_of, staging_directory
+from hpckpt.core.commit.lock import LOCK_SUFFIX
+from hpckpt.core.commit.manifest import SUFFIX as MANIFEST_SUFFIX
 from hpckpt.core.errors import (
     CorruptMetadataError,
     DestinationExistsError,
@@ -17,10 +20,6 @@ from hpckpt.core.errors import (
     PathNotFoundError,
     UnsafeDestinationError,
 )
-from hpckpt.core.commit.manifest import SUFFIX as MANIFEST_SUFFIX
-from hpckpt.core.commit.lock import LOCK_SUFFIX
-
-from hpckpt.core.commit.leftovers import _STAGING_NAME, FRAGMENT_DIR, TMP_MARK, _sidecar_owner, _sidecars_of, staging_directory
 
 
 # -- what may be written where ----------------------------------------------------------------

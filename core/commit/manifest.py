@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from hpckpt import __version__
+from hpckpt.core.errors import CorruptMetadataError
 from hpckpt.core.io import digest
 from hpckpt.core.safety import input_files
-from hpckpt.core.errors import CorruptMetadataError
 
 NAME = ".hpckpt-manifest.jsonl"
 SUFFIX = ".hpckpt-manifest.jsonl"

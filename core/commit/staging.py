@@ -50,17 +50,6 @@ import shutil
 from pathlib import Path
 
 from hpckpt.core.commit import manifest
-from hpckpt.core.commit.durable import check_space, fsync_path, write_error, write_file
-from hpckpt.core.errors import (
-    CorruptDataError,
-    CorruptMetadataError,
-    DestinationExistsError,
-    HpckptError,
-    MissingFileError,
-    NotACheckpointError,
-)
-from hpckpt.core.commit.interrupts import critical
-from hpckpt.core.commit.lock import DestinationLock, ReplaceLock
 from hpckpt.core.commit.destination import (
     _refuse_existing_sidecars,
     ensure_parent,
@@ -69,6 +58,8 @@ from hpckpt.core.commit.destination import (
     refuse_staging_name,
     refuse_unsafe,
 )
+from hpckpt.core.commit.durable import check_space, fsync_path, write_error, write_file
+from hpckpt.core.commit.interrupts import critical
 from hpckpt.core.commit.leftovers import (
     DIST_MARK,
     FRAGMENT_DIR,
@@ -79,6 +70,16 @@ from hpckpt.core.commit.leftovers import (
     _unplace_sidecars,
     remove_stale_staging,
     remove_stale_temporaries,
+)
+from hpckpt.core.commit.lock import DestinationLock, ReplaceLock
+from hpckpt.core.commit.replace import replace_file
+from hpckpt.core.errors import (
+    CorruptDataError,
+    CorruptMetadataError,
+    DestinationExistsError,
+    HpckptError,
+    MissingFileError,
+    NotACheckpointError,
 )
 
 
@@ -244,10 +245,7 @@ class Fragment:
             raise
 
     def _publish(self, path: Path, data: bytes) -> None:
-        tmp = path.with_name(f"{TMP_MARK}{os.getpid()}-{path.name}")
-        tmp.unlink(missing_ok=True)
-        write_file(tmp, data, self.sync)
-        os.replace(tmp, path)
+        replace_file(path, data, fsync=self.sync, aside=path.with_name(f"{TMP_MARK}{os.getpid()}-{path.name}"))
 
     def commit(self, ranks: tuple[int, ...], metadata: tuple[tuple[str, bytes], ...], expected: list[str],
                digests=None, header: dict | None = None) -> None:

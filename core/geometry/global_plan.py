@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpckpt.core.geometry.assign import least_loaded
-from hpckpt.core.geometry.box import Box
 from hpckpt.core.dtypes import DType, dtype as parse_dtype
 from hpckpt.core.errors import EntryMismatchError, GeometryError
+from hpckpt.core.geometry.assign import least_loaded
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.geometry.plan import Plan, PlannedBox, PlannedTensor, PlannedValue
 
 DEDUP_MODES = ("balanced", "lowest-rank", "none")

@@ -20,8 +20,8 @@ from functools import cached_property
 
 import numpy as np
 
-from hpckpt.core.geometry.box import Box
 from hpckpt.core.errors import GeometryError
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.index import int_rows
 
 

@@ -21,13 +21,13 @@ from typing import Protocol
 
 import numpy as np
 
+from hpckpt.core.dtypes import DType
 from hpckpt.core.geometry.assign import least_loaded
 from hpckpt.core.geometry.box import Box
-from hpckpt.core.io.cast import CASTABLE
-from hpckpt.core.dtypes import DType
-from hpckpt.core.index import CheckpointIndex, TensorEntry
 from hpckpt.core.geometry.layout import Mesh, Replicate, TensorLayout
 from hpckpt.core.geometry.rank_boxes import RankBoxes, rank_boxes
+from hpckpt.core.index import CheckpointIndex, TensorEntry
+from hpckpt.core.io.cast import CASTABLE
 
 
 class TargetLayouts(Protocol):

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.geometry.overlap import ChunkIndex, boxes_to_arrays, check_covered, check_inside
 from hpckpt.core.geometry.plan import Plan
+from hpckpt.core.index import CheckpointIndex
 
 
 @dataclass(frozen=True)

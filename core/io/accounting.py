@@ -22,9 +22,9 @@ from collections import Counter
 from collections.abc import Iterable
 
 from hpckpt.core.errors import AccountingError
+from hpckpt.core.geometry.plan import Plan
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.io.output import OutputLayout
-from hpckpt.core.geometry.plan import Plan
 
 
 def _names(fqns: Iterable[str], limit: int = 5) -> str:

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from hpckpt.core.geometry.box import Box, full_box
 from hpckpt.core.dtypes import DType
 from hpckpt.core.errors import EntryMismatchError
+from hpckpt.core.geometry.box import Box, full_box
 from hpckpt.core.index import BufferLocation, CheckpointIndex, Chunk, TensorEntry, ValueEntry
 
 MEMORY = "<memory>"  # the `file` of every in-memory chunk

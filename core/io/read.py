@@ -15,10 +15,10 @@ from typing import BinaryIO
 
 import numpy as np
 
-from hpckpt.core.safety import input_files
-from hpckpt.core.geometry.box import Box, full_box
 from hpckpt.core.errors import CorruptDataError, GeometryError
+from hpckpt.core.geometry.box import Box, full_box
 from hpckpt.core.index import BufferLocation, CheckpointIndex, Location, TensorEntry
+from hpckpt.core.safety import input_files
 
 DEFAULT_READ_BUDGET = 64 * 1024 * 1024
 

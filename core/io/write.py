@@ -11,17 +11,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from hpckpt.core.io import engine
-
 from hpckpt.core.commit import manifest
-from hpckpt.core.io.accounting import check_layout, check_written
-from hpckpt.core.commit.staging import Fragment, Staging
 from hpckpt.core.commit.durable import write_error
+from hpckpt.core.commit.staging import Fragment, Staging
 from hpckpt.core.errors import HpckptError
-from hpckpt.core.index import CheckpointIndex
-from hpckpt.core.io.output import Finished, OutputLayout
 from hpckpt.core.geometry.plan import Plan
 from hpckpt.core.geometry.plan_stats import RankStats
+from hpckpt.core.index import CheckpointIndex
+from hpckpt.core.io import engine
+from hpckpt.core.io.accounting import check_layout, check_written
+from hpckpt.core.io.output import Finished, OutputLayout
 
 
 class Progress:

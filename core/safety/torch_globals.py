@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpckpt.core import dtypes
+from hpckpt.core.codecs.hyperparallel_metadata import check_ints, check_shape
+from hpckpt.core.codecs.torch_records import BytesIOState, TensorRecord, span_elements
 from hpckpt.core.dtypes import DType
 from hpckpt.core.errors import CorruptDataError, CorruptMetadataError, UnknownFormatError, UnsafePickleError
-from hpckpt.core.codecs.hyperparallel_metadata import check_ints, check_shape
+from hpckpt.core.safety.allow_list import check_encoding, safe_global
 from hpckpt.core.safety.pickle_budget import describe
-from hpckpt.core.codecs.torch_records import BytesIOState, TensorRecord, span_elements
-from hpckpt.core.safety.unpickle import check_encoding, safe_global
 
 
 @dataclass(frozen=True)

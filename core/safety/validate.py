@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 
 from hpckpt.core import dtypes
-from hpckpt.core.geometry.box import Box
-from hpckpt.core.io.checksums import check_source
 from hpckpt.core.errors import EXIT_CODE_BY_KIND, HpckptError, InterruptedSaveError
-from hpckpt.core.index import CheckpointIndex, TensorEntry
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.geometry.overlap import ChunkIndex, boxes_to_arrays
+from hpckpt.core.index import CheckpointIndex, TensorEntry
+from hpckpt.core.io.checksums import check_source
 from hpckpt.core.paths import resolve_inside
 
 MAX_GRID_CELLS = 4_000_000  # coverage is checked on a grid of distinct chunk boundaries

@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 import mindspore as ms
 
-from hpckpt.core.geometry.box import full_box
-from hpckpt.core.io.cast import CASTABLE, cast, check_cast
 from hpckpt.core.dtypes import DType, dtype as parse_dtype
 from hpckpt.core.errors import GeometryError
+from hpckpt.core.geometry.box import full_box
+from hpckpt.core.io.cast import CASTABLE, cast, check_cast
 from hpckpt.dist.shards import Shards, chunk_info_shards
 
 NAME = "mindspore"

@@ -25,9 +25,9 @@ import torch.distributed as tdist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from hpckpt.core.geometry.box import Box, full_box
 from hpckpt.core.dtypes import DType, dtype as parse_dtype
 from hpckpt.core.errors import GeometryError
+from hpckpt.core.geometry.box import Box, full_box
 from hpckpt.dist.shards import Shards, chunk_info_shards
 
 NAME = "torch"

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from hpckpt.converters import open_index
-from hpckpt.core.geometry.box import Box
 from hpckpt.core.errors import CheckFailedError
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.io.read import OpenFiles, read_box
 from hpckpt.dist import frameworks
 from hpckpt.dist.flatten import flatten

@@ -18,17 +18,15 @@ shares wrote when one failed, and puts back an old destination it had moved asid
 from __future__ import annotations
 
 import heapq
-import os
-import shutil
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from hpckpt.core.commit.set_aside import SetAside
 from hpckpt.core.errors import HpckptError, ReshardOptionError, WorkerFailedError
 
 COORDINATOR = 0
-OLD_MARK = ".hpckpt-tmp-old-"  # the name `core.commit.Staging` gives an output moved aside
 
 
 # -- the share of each worker (pure) -------------------------------------------------------------
@@ -107,8 +105,7 @@ class _Job:
                                       sync=not spec.get("no_fsync"), parents=bool(spec.get("parents")),
                                       progress=ctx.progress)
         self.index = self.layout = None
-        self.moved_aside: Path | None = None  # the old destination, while --force replaces it
-        self.created = False  # the destination did not exist: a failed run removes it
+        self.replacing = SetAside(self.dst, bool(spec.get("force")))
 
     def plan(self, coordinator: bool) -> list[int] | None:
         """Open the source and build the target layout; the coordinator also plans the whole
@@ -139,23 +136,8 @@ class _Job:
 
     def prepare(self) -> None:
         """The coordinator, before any share is written: refuse an existing destination (or, with
-        --force, move an output hpckpt recognises aside, put back if the run fails)."""
-        from hpckpt.core.commit.destination import refuse_existing, refuse_staging_name
-        from hpckpt.core.commit.lock import DestinationLock, ReplaceLock
-
-        refuse_staging_name(self.dst)
-        if not os.path.lexists(self.dst):
-            self.created = True
-            return
-        refuse_existing(self.dst, bool(self.spec.get("force")))
-        with DestinationLock(self.dst):
-            replacing = ReplaceLock(self.dst)  # no run may be reading it
-            try:
-                aside = self.dst.parent / f".{self.dst.name}{OLD_MARK}{os.getpid()}"
-                os.rename(self.dst, aside)
-                self.moved_aside, self.created = aside, True
-            finally:
-                replacing.release()
+        --force, set an output hpckpt recognises aside, put back if the run fails)."""
+        self.replacing.prepare()
 
     def write(self, ranks: tuple[int, ...]) -> dict:
         """This worker's share, straight into the destination (`core.commit.Fragment`)."""
@@ -177,21 +159,12 @@ class _Job:
 
         self.ctx.phase("finalizing")
         report = api.finalize(self.dst)
-        if self.moved_aside is not None:
-            shutil.rmtree(self.moved_aside)
-            self.moved_aside = None
+        self.replacing.finished()
         return len(report.written)
 
     def undo(self) -> None:
         """The coordinator, after a failure: nothing of this run left, the old output back."""
-        from hpckpt.core.commit.lock import DestinationLock
-
-        if self.created and os.path.lexists(self.dst):
-            with DestinationLock(self.dst):  # every share has let its lock go
-                shutil.rmtree(self.dst)
-        if self.moved_aside is not None:
-            os.rename(self.moved_aside, self.dst)
-            self.moved_aside = None
+        self.replacing.undo()
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:

@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 
 from hpckpt.api import parse_size
-from hpckpt.core.dtypes import dtype as parse_dtype
-from hpckpt.core.commit.destination import refuse_existing
-from hpckpt.core.errors import InjectedFailure
 from hpckpt.converters import open_index
+from hpckpt.core.commit.destination import refuse_existing
+from hpckpt.core.dtypes import dtype as parse_dtype
+from hpckpt.core.errors import InjectedFailure
 from hpckpt.dist import frameworks
 from hpckpt.dist.jobs import states
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpckpt.core.geometry.box import Box
 from hpckpt.core.errors import GeometryError
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.geometry.layout import LayoutSpec, parse_mesh
 from hpckpt.dist.jobs import synthetic, tensors
 from hpckpt.dist.layouts import Sharded, sharded

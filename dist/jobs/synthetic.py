@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpckpt.core.geometry.box import Box
 from hpckpt.core.dtypes import DType, dtype as parse_dtype
+from hpckpt.core.geometry.box import Box
 
 MOMENT = parse_dtype("float32")
 

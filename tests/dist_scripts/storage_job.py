@@ -60,19 +60,19 @@ def rank_state(rank: int, variant: int = 0) -> dict:
 def die_while_writing() -> None:
     """Make this rank leave (os._exit(9)) right after it wrote its own files into the staging
     directory, before it reports them: a rank killed in the middle of a save. This reaches into
-    `hpckpt.dist.save` (there is no public hook)."""
+    `hpckpt.dist.save_commit` (there is no public hook)."""
     import importlib
 
-    save_module = importlib.import_module("hpckpt.dist.save")  # the module (`hpckpt.dist.save` is also the function)
+    save_module = importlib.import_module("hpckpt.dist.save_commit")  # where a rank writes its own files
 
-    original = save_module._Save._write_own
+    original = save_module._write_own
 
-    def write_then_die(self, *args, **kwargs):
-        original(self, *args, **kwargs)
+    def write_then_die(*args, **kwargs):
+        original(*args, **kwargs)
         print("WROTE", flush=True)
         os._exit(9)
 
-    save_module._Save._write_own = write_then_die
+    save_module._write_own = write_then_die
 
 
 def result_json(result) -> dict:

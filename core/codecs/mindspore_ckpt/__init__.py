@@ -31,8 +31,7 @@ bytes). No torch or mindspore import: this package is on the CLI's start-up path
 
 from __future__ import annotations
 
-from hpckpt.core.dtypes import DType
-from hpckpt.core.errors import UnsupportedDTypeError
+from hpckpt.core.codecs.mindspore_ckpt.crc import CrcGate, verify_crc  # noqa: F401
 from hpckpt.core.codecs.mindspore_ckpt.scan import (  # noqa: F401  (the reading API)
     _BY_SPELLING,
     CRC_MARK,
@@ -47,9 +46,10 @@ from hpckpt.core.codecs.mindspore_ckpt.scan import (  # noqa: F401  (the reading
     read_string,
     scan,
 )
-from hpckpt.core.codecs.mindspore_ckpt.crc import CrcGate, verify_crc  # noqa: F401
 from hpckpt.core.codecs.mindspore_ckpt.sniff import ENCRYPTION_MAGICS, encryption_mode, sniff  # noqa: F401
 from hpckpt.core.codecs.mindspore_ckpt.wire import piece_header  # noqa: F401
+from hpckpt.core.dtypes import DType
+from hpckpt.core.errors import UnsupportedDTypeError
 
 #: Bytes per Value when a tensor is split (MindSpore: `1024 * SLICE_SIZE`, SLICE_SIZE in KiB).
 #: Read when a writer lays a file out, so tests can lower it.

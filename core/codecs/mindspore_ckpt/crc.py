@@ -14,9 +14,9 @@ import os
 import threading
 from pathlib import Path
 
-from hpckpt.core.io import checksums
-from hpckpt.core.errors import CorruptDataError
 from hpckpt.core.codecs.mindspore_ckpt.scan import _open, _trailer
+from hpckpt.core.errors import CorruptDataError
+from hpckpt.core.io import checksums
 
 def verify_crc(path: Path | str) -> bool:
     """Check the CRC trailer by streaming the file; False when there is no trailer.

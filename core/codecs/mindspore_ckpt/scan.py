@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from hpckpt.core.geometry.box import Box, full_box
-from hpckpt.core.dtypes import DType, all_dtypes
-from hpckpt.core.errors import CorruptDataError, MissingFileError, UnknownFormatError
-from hpckpt.core.geometry.layout import decompose_flat_interval
-from hpckpt.core.io.read import open_data_file
 from hpckpt.core.codecs.mindspore_ckpt.sniff import encryption_mode
 from hpckpt.core.codecs.mindspore_ckpt.wire import _Cursor, _RawValue, _walk
+from hpckpt.core.dtypes import DType, all_dtypes
+from hpckpt.core.errors import CorruptDataError, MissingFileError, UnknownFormatError
+from hpckpt.core.geometry.box import Box, full_box
+from hpckpt.core.geometry.layout import decompose_flat_interval
+from hpckpt.core.io.read import open_data_file
 
 CRC_MARK = b"crc_num"
 CRC_TRAILER_BYTES = len(CRC_MARK) + 10

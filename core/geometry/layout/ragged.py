@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from hpckpt.core.geometry.box import Box
 from hpckpt.core.errors import GeometryError
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.geometry.layout.placements import RaggedShard
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from hpckpt.core.geometry.box import Box
 from hpckpt.core.errors import GeometryError
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.geometry.layout.mesh import Mesh
 from hpckpt.core.geometry.layout.placements import Placement, RaggedShard, Replicate, Shard, split
 from hpckpt.core.geometry.layout.ragged import check_ragged, decompose_flat_interval, ragged_interval

@@ -1,0 +1,177 @@
+"""A live save's steps 4-5 (see `hpckpt.dist.save`): every rank writes its files of the agreed
+plan; the coordinator checks them and commits through `core.commit` (the shared staging
+directory), or each rank publishes its own part (`core.commit.rank_local`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from hpckpt.converters.hyperparallel.writer import tensor_file, values_file
+from hpckpt.core.commit import manifest
+from hpckpt.core.commit.durable import write_error
+from hpckpt.core.commit.rank_local import publish_rank_part
+from hpckpt.core.errors import HpckptError, SaveError
+from hpckpt.core.io.accounting import check_written
+from hpckpt.core.io.memory_source import memory_index
+from hpckpt.core.io.output import Finished
+from hpckpt.core.io.write import WriteSettings, fill, lay_out
+from hpckpt.dist import manifest_parts
+from hpckpt.dist.coordination import Restarted, Storage, confirm_and_wait
+from hpckpt.dist.results import SaveResult
+from hpckpt.dist.save_plan import PlannedSave, _error_text, _errors, plan_again
+
+
+def persist(planned: PlannedSave) -> SaveResult:
+    """Steps 4-5; the staging directory and its lock are released whatever happens (removed
+    unless committed)."""
+    with planned.resources:
+        if planned.request.coordination == "none":
+            return _persist_rank_local(planned)
+        for _attempt in range(3):
+            try:
+                return _persist_together(planned)
+            except Restarted:  # the coordinator replaced a killed attempt's directory we had joined
+                planned = plan_again(planned)
+        raise SaveError("storage coordination: the coordinator restarted the save three times")
+
+
+def _write_own(planned: PlannedSave, plan, directory: Path, lengths) -> tuple[list[list], int, Finished, list]:
+    """This rank's files of `plan` (the boxes it stores, the values it stores) in `directory`,
+    through the writer, engine and accounting every command uses (`core.write`); returns them,
+    their bytes, the writer's metadata of `plan` and their digests."""
+    request = planned.request
+    own = {v.fqn: request.local.payloads[v.fqn] for v in plan.values if v.rank in plan.producing}
+    writer = request.format.writer(request.framework.NAME, lengths, own)
+    layout = lay_out(plan, {}, writer)
+    source = memory_index(request.local.tensors, framework=request.framework.NAME)
+    if request.progress is not None:
+        request.progress.start(layout.nbytes)
+    try:
+        done, finished = fill(layout, source, writer, directory, WriteSettings(sync=True, progress=request.progress))
+    except BaseException as exc:
+        for f in layout.files:  # what this rank began: on a full disk, the room to report the error
+            (directory / f.name).unlink(missing_ok=True)
+        if isinstance(exc, OSError) and not isinstance(exc, HpckptError):
+            raise write_error(exc, directory, layout.nbytes) from None
+        raise
+    files = [[f.name, f.size] for f in layout.files]
+    return files, sum(f.size for f in layout.files), finished, done.files
+
+
+def _persist_together(planned: PlannedSave) -> SaveResult:
+    t0 = time.perf_counter()
+    request, gp = planned.request, planned.global_plan
+    rank = request.job.rank
+    mine: dict = {"error": None, "files": [], "bytes": 0}
+    if request.asynchronous or request.exchange == "storage":
+        exchange = request.storage(planned.nonce, planned.token)
+    else:
+        exchange = request.job.collectives()
+    own_error = None
+    try:
+        plan = replace(gp.plan([rank]), producing=(rank,))
+        mine["files"], mine["bytes"], _finished, digests = _write_own(planned, plan, request.staging_path,
+                                                                      gp.value_lengths)
+        mine["digests"] = manifest_parts.write_part(request.staging_path, rank, digests)
+    except Exception as exc:
+        mine["error"], own_error = _error_text(exc), exc
+    writing = time.perf_counter() - t0
+    answers = exchange.all_gather("done", mine, "report the files written")
+    if own_error is not None:
+        raise own_error  # this rank's own error as it is; the others raise a SaveError naming this rank
+    _errors(answers, "save failed while writing")
+    if isinstance(exchange, Storage):  # the coordinator renames only after every rank has seen this
+        if request.is_coordinator:
+            exchange.all_gather("seen", {}, "confirm the reports")
+        elif not confirm_and_wait(exchange, "seen", request.path):
+            raise SaveError("the coordinator did not commit the checkpoint (its error is on its rank)",
+                            hint="nothing was committed")
+    committed_error = None
+    if request.is_coordinator:
+        try:
+            _commit(planned, answers)
+        except Exception as exc:
+            committed_error = exc
+    if not isinstance(exchange, Storage):
+        outcome = exchange.all_gather("outcome", {"error": _error_text(committed_error) if committed_error else None})
+        _errors(outcome, "save failed at the commit")
+    elif committed_error is not None:
+        raise committed_error
+    files = tuple(name for name, _size in mine["files"])
+    total = sum(a["bytes"] for a in answers)
+    return SaveResult(path=request.path, rank=rank, world_size=request.job.world_size,
+                      coordinator=request.coordinator, coordination=request.coordination,
+                      plan_cache=planned.cache_state, files=files, bytes_written=mine["bytes"],
+                      job_bytes_written=total, committed=True, planning=planned.planning, writing=writing,
+                      blocked=time.perf_counter() - request.started)
+
+
+def _commit(planned: PlannedSave, answers: list[dict]) -> None:
+    """The coordinator: every data file there with the size its rank reported, protocol and
+    stale files gone, `.metadata` last, one rename."""
+    request = planned.request
+    full = planned.global_plan.plan()
+    writer = request.format.writer(request.framework.NAME, planned.global_plan.value_lengths, None)
+    layout = lay_out(replace(full, producing=()), {}, writer)
+    expected = set(writer.expected_files(full))
+    reported = {name: size for a in answers for name, size in a["files"]}
+    staging = planned.staging.path
+    for name in sorted(expected):
+        size = reported.get(name)
+        actual = os.stat(staging / name).st_size if (staging / name).exists() else None
+        if size is None or actual != size:
+            raise SaveError(f"{name}: expected in the staging directory with {size} bytes, found {actual}")
+    parts = {manifest_parts.part_name(r) for r in range(len(answers))}
+    for name in os.listdir(staging):
+        if name not in expected and name not in parts:
+            (staging / name).unlink()  # exchange files, and anything a killed save left
+    metadata = writer.finish({}).metadata
+    planned.staging.write_metadata(metadata)
+    written = request.format.reader().read_index(staging)  # as a loader will read it
+    check_written(full, layout, written)
+    files = [tuple(d) for a in answers for d in a.get("digests") or ()]
+    manifest_parts.write_manifest(staging, format_name=request.format.name, world_size=request.job.world_size,
+                                  files=files, metadata=metadata, written=written)
+    planned.staging.commit()
+
+
+def _persist_rank_local(planned: PlannedSave) -> SaveResult:
+    """`coordination="none"`: this rank's data files and `{rank}.metadata` (last), each
+    written aside and renamed, straight into the destination (no rank waits for another)."""
+    t0 = time.perf_counter()
+    request = planned.request
+    rank = request.job.rank
+    files, nbytes = [], 0
+
+    def write(directory: Path) -> tuple[list[str], bytes]:
+        nonlocal files, nbytes
+        files, nbytes, finished, _digests = _write_own(planned, planned.rank_local_plan, directory, planned.lengths)
+        return [name for name, _size in files], dict(finished.metadata)[".metadata"]
+
+    publish_rank_part(request.path, f"{rank}.metadata", write,
+                      forget=_stale_for_rank_local(request.path, rank, request.job.world_size),
+                      previous=(tensor_file(rank), values_file(rank)))
+    return SaveResult(path=request.path, rank=rank, world_size=request.job.world_size, coordinator=rank,
+                      coordination="none", plan_cache="off", files=tuple(n for n, _ in files) + (f"{rank}.metadata",),
+                      bytes_written=nbytes, job_bytes_written=nbytes, committed=True, planning=planned.planning,
+                      writing=time.perf_counter() - t0, blocked=time.perf_counter() - request.started)
+
+
+def _stale_for_rank_local(path: Path, rank: int, world_size: int) -> list[str]:
+    """What the coordinator-free rank 0 removes before a rank-local save writes: what only a save
+    of another kind or a larger world left (`.metadata`, the manifest, `.hpckpt.json`, the files
+    of ranks >= `world_size`)."""
+    if rank != 0 or not path.is_dir():
+        return []
+    stale = []
+    for name in os.listdir(path):
+        match = re.fullmatch(r"(?:(\d+)\.metadata|_rank(\d+)_\.(?:safetensors|bytes))", name)
+        if (int(match.group(1) or match.group(2)) >= world_size) if match else \
+                name in (".metadata", ".hpckpt.json", manifest.NAME):
+            stale.append(name)
+    return stale
