@@ -10,7 +10,7 @@ from hpckpt.api import pipeline
 from hpckpt.api.options import Selection
 from hpckpt.api.reports import FinalizeReport, WriteReport
 from hpckpt.converters import format_named, open_index
-from hpckpt.core.commit import staging as commit
+from hpckpt.core.commit import fan_out
 from hpckpt.core.commit.lock import holds_source
 from hpckpt.core.geometry.layout import LayoutSpec
 from hpckpt.core.index import CheckpointIndex
@@ -43,5 +43,5 @@ def finalize(dst: str | Path) -> FinalizeReport:
         CorruptMetadataError: the fragments come from different plans.
         MissingFileError: some rank's files are missing (the message names one).
     """
-    data, metadata = commit.finalize(Path(dst))
+    data, metadata = fan_out.finalize(Path(dst))
     return FinalizeReport(str(dst), tuple(str(Path(dst) / name) for name in (*data, *metadata)), len(data))

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from hpckpt.core.commit import manifest
 from hpckpt.core.commit.durable import write_error
-from hpckpt.core.commit.staging import Fragment, Staging
+from hpckpt.core.commit.fan_out import Fragment
+from hpckpt.core.commit.staging import Staging
 from hpckpt.core.errors import HpckptError
 from hpckpt.core.geometry.plan import Plan
 from hpckpt.core.geometry.plan_stats import RankStats
@@ -85,7 +86,7 @@ def write_plan(plan: Plan, source: CheckpointIndex, writer, dest: Path, settings
     """Lay `plan` out with `writer`, fill it from `source` and commit it at `dest`.
 
     `fan_out`: only the plan's producing ranks are written, straight into the shared `dest`
-    (`core.commit.Fragment`); `hpckpt reshard --finalize` writes the metadata later.
+    (`core.commit.fan_out.Fragment`); `hpckpt reshard --finalize` writes the metadata later.
     `read_back` (the format's reader) reads the staged output's metadata before it is committed,
     to prove it holds every entry that was not reported skipped (`core.accounting`).
     `source_path` is where `source` was read from: `dest` may not overlap it (`core.commit`).

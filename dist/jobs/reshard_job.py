@@ -140,7 +140,7 @@ class _Job:
         self.replacing.prepare()
 
     def write(self, ranks: tuple[int, ...]) -> dict:
-        """This worker's share, straight into the destination (`core.commit.Fragment`)."""
+        """This worker's share, straight into the destination (`core.commit.fan_out.Fragment`)."""
         from hpckpt import api
 
         if not ranks:
