@@ -68,9 +68,9 @@ def emit_json(document: Any) -> None:
 def pretty_json(document: Any) -> str:
     """JSON with each top-level key on its own line and each element of a top-level list on its
     own line, every element in compact form: as easy to read as `indent=2` for what commands
-    print, and encoded by json's C encoder (`indent` takes its pure-Python one: 0.8 s for the
-    10,000 tensors of the inspect benchmark, against 0.03 s)."""
-    import json  # here: 3 ms of every start-up otherwise
+    print, and encoded by json's C encoder (`indent` takes its pure-Python one, many times slower
+    on a large listing: docs/design-figures.md)."""
+    import json  # here: not on every command's start-up
 
     def dumps(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))

@@ -10,8 +10,8 @@ from hpckpt.cli._output import printable
 def write_table(title: str, columns: list[tuple[str, str]], rows: list[tuple[str, ...]]) -> None:
     """Print an aligned text table on stdout.
 
-    rich's Table measures every cell and takes about 0.6 ms a row, i.e. seconds for the 10,000
-    tensors of a large checkpoint; plain padding prints that table in milliseconds. `columns`
+    rich's Table measures every cell: seconds for the 10,000 tensors of a large checkpoint
+    (docs/design-figures.md); plain padding prints that table in milliseconds. `columns`
     are (header, "left" | "right"). Every cell and the title are escaped (`printable`): they
     quote names from the checkpoint.
     """

@@ -105,8 +105,8 @@ def _command_problem(argv: list[str]) -> str | None:
 def run() -> int:
     """Run the command line in this process and return its exit code (benchmarks use this)."""
     # A short-lived process that may build millions of small objects (one per stored chunk) and
-    # no reference cycles worth collecting: the cyclic collector only rescans them (measured:
-    # 3 s of 5 when listing 640,000 chunks). Memory is still freed by reference counting.
+    # no reference cycles worth collecting: the cyclic collector only rescans them (most of the
+    # time of a large listing: docs/design-figures.md). Memory is still freed by reference counting.
     gc.disable()
     from hpckpt.cli._errors import print_error
     from hpckpt.core.errors import InterruptedRunError
@@ -140,8 +140,8 @@ def main() -> None:
     """The `hpckpt` console script: run, then leave without tearing the interpreter down.
 
     Every output file is closed, synced and renamed by the time a command returns; freeing a
-    large index object by object and unloading modules would only add 0.07-0.14 s to every
-    command (measured on the 1.5 GiB benchmark), as much as a tenth of a whole reshard.
+    large index object by object and unloading modules would only add time to every command, as
+    much as a tenth of a whole reshard (docs/design-figures.md).
     """
     code = run()
     for stream in (sys.stdout, sys.stderr):

@@ -15,7 +15,7 @@ _PACKAGES = ("numpy", "safetensors", "typer", "rich", "torch", "mindspore")
 
 
 def _installed(name: str) -> str:
-    import importlib.metadata  # here, not at import: 25 ms of every command's start-up
+    import importlib.metadata  # here, not at import: it would slow every command's start-up
 
     try:
         return importlib.metadata.version(name)

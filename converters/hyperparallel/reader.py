@@ -1,5 +1,6 @@
 """HyperParallel DCP: `.metadata` (or rank-local `{r}.metadata` / legacy `.rank{r}_metadata`)
-plus `_rank{r}_.safetensors` and `.bytes` files. Format spec: docs/hyperparallel-dcp-format.md.
+plus `_rank{r}_.safetensors` and `.bytes` files (the README's table of formats; the metadata classes:
+`core/codecs/hyperparallel_metadata.py`).
 """
 
 from __future__ import annotations

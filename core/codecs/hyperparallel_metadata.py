@@ -32,7 +32,8 @@ class RequiredFields:
 
     Only the classes with one object per tensor (or per file) take it: a class with a
     `__getattr__` makes every attribute read slower, and the per-chunk classes (chunks, storage
-    keys and infos: 921,700 of each in the planning benchmark) would cost planning 10%."""
+    keys and infos, close to a million each in the planning benchmark) would slow planning
+    (docs/design-figures.md)."""
 
     def __getattr__(self, name: str) -> Any:
         if not name.startswith("__") and name in {f.name for f in fields(self)}:
@@ -195,8 +196,7 @@ def dumps_metadata(metadata: Metadata) -> bytes:
 #
 # A metadata pickle holds millions of objects, so it is not walked (see `core.pickle_budget`);
 # instead every field is checked where it is read: per tensor when the index is built (cheap:
-# one pass over the tensors and one over storage_data: 25-40 ms for the benchmark's 1,000 tensors
-# and 87,515 entries), per chunk when a command first turns the chunks into boxes (`guarded` and
+# one pass over the tensors and one over storage_data), per chunk when a command first turns the chunks into boxes (`guarded` and
 # `schema_errors` around that code turn a field of the wrong type, or a missing one, into
 # CorruptMetadataError naming it).
 
@@ -371,7 +371,8 @@ def check_shared_starts(boxes: Iterable[Any], where: str) -> None:
     `storage_data`, which the dict silently collapsed). `boxes`: `Box`es of one tensor.
 
     Checked where chunks become `Chunk`s (verify, the writing commands); the chunk arrays that
-    inspect's layout pass and planning use skip it: a vectorised pass there costs planning 6%."""
+    inspect's layout pass and planning use skip it: a pass there would slow planning
+    (docs/design-figures.md)."""
     seen: dict[tuple, tuple] = {}
     for box in boxes:
         sizes = seen.setdefault(box.offsets, box.sizes)

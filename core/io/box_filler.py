@@ -27,7 +27,7 @@ from hpckpt.core.io.cast import cast
 from hpckpt.core.io.output import Extent, Placement
 from hpckpt.core.io.read import OpenFiles, read_region
 
-WRITEBACK_SPAN = 8 * 1024 * 1024  # writeback is started in aligned spans of this size (4-32 MiB measured alike)
+WRITEBACK_SPAN = 8 * 1024 * 1024  # writeback is started in aligned spans of this size (docs/design-figures.md)
 WRITE_PIECE, WRITE_ALIGN = 2 * 1024 * 1024, 64 * 1024  # how gathered bytes are handed to pwrite
 # hashed copies from a file are mapped: from MAP_MIN, MAP_SPAN at a time (the mapped pages count in
 # the RSS: a 2 GiB reshard peaks at 57 MiB with these, 41 MiB unhashed, 104 MiB with 64 MiB spans)
@@ -165,10 +165,9 @@ class BoxFiller:
         Unhashed, the kernel copies it (`copy_file_range`). Hashed, a range from `MAP_MIN` up is
         mapped, and each piece is hashed from the mapping and then written from it with `pwrite`,
         while the hash has left it in this core's cache: one pass over the source serves both.
-        Measured on a 2 GiB reshard held in the page cache, that is as fast as the unhashed kernel
-        copy or faster (copying each piece by the kernel and hashing it from the mapping after
-        cost +8-19 %, hashing copied ranges on a companion thread +27-37 %). Smaller ranges cost
-        less read into the piece buffer than mapped."""
+        That is as fast as the unhashed kernel copy or faster, and faster than the alternatives
+        measured (docs/design-figures.md). Smaller ranges cost less read into the piece buffer
+        than mapped."""
         fd = self.files.fd(path)
         if self._hasher is None:
             copy_range(fd, self.fd, count, offset, at, path)
@@ -213,8 +212,7 @@ class BoxFiller:
 
         One writeback request per copied range leaves the page shared with the next range to be
         written on its own later, and a disk that limits requests then waits on thousands of
-        small ones (measured: 2,200-3,000 requests for what `cp` writes in 410; 0.72x `cp -r &&
-        sync` on a request-limited disk, 1.02-1.07x with aligned spans). Spans are only a hint,
+        small ones (docs/design-figures.md). Spans are only a hint,
         so ranges written out of order stay correct; the rest is started when the file is done.
         """
         check_stop(self.stop)

@@ -15,7 +15,7 @@ from hpckpt.core.errors import CorruptMetadataError, UnsafePickleError
 
 
 
-SCAN_BYTES = 1 << 20  # scanned before loading: about 40 ms a MiB
+SCAN_BYTES = 1 << 20  # scanned before loading (its speed: docs/design-figures.md)
 
 
 def _arguments() -> dict[int, tuple[int, int, str]]:

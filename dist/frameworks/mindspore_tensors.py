@@ -95,8 +95,8 @@ def _host(t: Any) -> np.ndarray:
 
 def to_numpy(t: Any, *, copy: bool) -> np.ndarray:
     """The tensor's elements on the host in storage form, shape kept. `copy=True`: independent of
-    later in-place changes to `t` (on CPU `asnumpy()` aliases the tensor, so it is copied:
-    about 50 ms for 256 MiB here); `copy=False`: the alias where MindSpore gives one."""
+    later in-place changes to `t` (on CPU `asnumpy()` aliases the tensor, so it is copied);
+    `copy=False`: the alias where MindSpore gives one."""
     array = _storage_view(_host(t), dtype_of(t))
     return array.copy() if copy else array
 
@@ -280,8 +280,8 @@ class Comm:
         """Every rank's JSON-able `obj`, in rank order, as int32 words (the CPU AllGather moves no
         bytes). One gather of a fixed block carries each rank's length and its first bytes, which
         is all of a short document; only when some rank's is longer does a second gather carry
-        the rest, padded to the longest. (An AllGather costs 30-60 ms on the CPU backend, about
-        the same for 4 bytes as for 4 KiB: measured with 4 ranks.)"""
+        the rest, padded to the longest. (An AllGather on the CPU backend costs about the same for
+        4 bytes as for 4 KiB: docs/design-figures.md.)"""
         data = json.dumps(obj, separators=(",", ":")).encode()
         head = np.zeros(FIRST_BLOCK_WORDS * 4, np.uint8)
         head[:4] = np.frombuffer(np.array([len(data)], np.int32).tobytes(), np.uint8)

@@ -147,8 +147,8 @@ def _scheduler(run_dir: Path, node_rank: int) -> int:
     """msrun's scheduler role: serve the cluster's meta server until the workers finish.
 
     msrun starts a scheduler on every node whose `--master_addr` is one of its own addresses:
-    node 0 only on a cluster, but every node when several share one host (measured: the second
-    one cannot bind the port, and its msrun exits 1). Only node 0 serves."""
+    node 0 only on a cluster, but every node when several share one host (the second one cannot
+    bind the port, and its msrun exits 1). Only node 0 serves."""
     _redirect_output(run_dir / "scheduler.log")
     if node_rank != 0:
         print(f"node {node_rank}: the scheduler is node 0's", flush=True)
