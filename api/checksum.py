@@ -1,4 +1,4 @@
-"""`checksum`: a manifest (`core.manifest`) for a checkpoint hpckpt did not write.
+"""`checksum`: a manifest (`core.commit.manifest`) for a checkpoint hpckpt did not write.
 
 Every data file is read once (files on parallel threads) and hashed as the writers hash what they
 write: each stored chunk whose bytes are one dense run of its file is a box with its own digest;

@@ -1,6 +1,6 @@
 """Target layouts read off a source: keep each tensor's layout on a new mesh, or keep it all.
 
-Both look at each tensor's stored boxes (`core.layout.infer`) and rebuild the layout that gives
+Both look at each tensor's stored boxes (`core.geometry.layout.infer`) and rebuild the layout that gives
 them, so `reshard --keep-layout` and a `convert` without layout options need no layout file.
 """
 

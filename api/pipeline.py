@@ -63,7 +63,7 @@ def make_target_plan(source: CheckpointIndex, target: Target, names: Iterable[st
 
 def _layout_record(target: Target) -> dict:
     """The target mesh and, when one placement list applies to every tensor, its text: what the
-    manifest records of the layout (`core.manifest`)."""
+    manifest records of the layout (`core.commit.manifest`)."""
     spec = target.layout
     if spec is None or target.format.whole_tensors:
         return {}

@@ -1,6 +1,6 @@
 """`verify`: a checkpoint's structure checked, every finding reported; with `deep`, every byte.
 
-`verify --deep` proves the data intact. With a manifest (`core.manifest`) that describes the
+`verify --deep` proves the data intact. With a manifest (`core.commit.manifest`) that describes the
 checkpoint (its metadata files' digests, its data files, and for each file the boxes the metadata
 lists), every data file is read once and its file and box digests compared with the manifest's.
 Without one (or with one that describes another checkpoint), every stored chunk is read through

@@ -203,7 +203,7 @@ def table(s: dict, rounds: int) -> str:
         add(f"| staging copy alone (`to_local().clone()` of every shard) | {sb:.3f} s | {sm:.3f} s | | | |")
         pr = v.get("probes", {})
         if "async_describe_staged" in pr:
-            add(f"| hpckpt's describe step with the copy (`dist.save._describe(stage=True)`; without: "
+            add(f"| hpckpt's describe step with the copy (`dist.save_plan._describe(stage=True)`; without: "
                 f"{pr['async_describe_unstaged'][0]:.3f} s) | {pr['async_describe_staged'][0]:.3f} s | "
                 f"{pr['async_describe_staged'][1]:.3f} s | clone next to it: {pr['async_clone'][0]:.3f} s | | |")
         hb, hm = v["blocked"]["hp-async"]

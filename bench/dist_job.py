@@ -191,7 +191,7 @@ def raw_write(state: dict, path: Path) -> None:
 def planning_probes(work: Path, mesh, n: int = 15) -> dict:
     """What a cache hit's planning is made of on this machine: one `all_gather_object` of a short
     string over gloo (the one exchange of a hit), the coordinator's staging directory alone
-    (`core.commit.Staging`: lock, fresh directory, fsyncs), and the planning of re-saves of a
+    (`core.commit.staging.Staging`: lock, fresh directory, fsyncs), and the planning of re-saves of a
     one-tensor state (the fixed cost, without the state's size)."""
     from hpckpt.core.commit.staging import Staging
 

@@ -16,16 +16,16 @@ Reading (`FormatReader`), in this order:
 
 Writing (`FormatWriter`), one writer object per run, in this order:
 
-1. (pipeline) `layout(plan, values)`, once, with the frozen, format-neutral `core.plan.Plan` and
-   the decoded non-tensor values: returns a `core.output.OutputLayout`, every data file the plan's
+1. (pipeline) `layout(plan, values)`, once, with the frozen, format-neutral `core.geometry.plan.Plan` and
+   the decoded non-tensor values: returns a `core.io.output.OutputLayout`, every data file the plan's
    producing ranks write, with its size, the bytes the format knows up front (headers, pickles,
    small records) at their offsets, where each planned box's bytes go (byte ranges, in row-major
    order), which ranges need a CRC-32, and what the format cannot hold (`skipped`, with reasons).
    The writer never copies tensor bytes; it only says where they go.
-2. (engine, `core.engine`) creates the files in the staging directory, writes the fixed bytes,
+2. (engine, `core.io.engine`) creates the files in the staging directory, writes the fixed bytes,
    fills every box from the source (a checkpoint on disk, or arrays in memory) and computes the
    CRC-32s asked for.
-3. (pipeline) `finish(crcs)` returns a `core.output.Finished`: the bytes that depended on the
+3. (pipeline) `finish(crcs)` returns a `core.io.output.Finished`: the bytes that depended on the
    data (zip descriptors and directories, a `.ckpt` CRC trailer) as patches, and the metadata
    files of the whole plan (every rank, also in a fan-out run), which the commit writes last.
 Any time, `expected_files(plan)` names the data files the plan's producing ranks write, without

@@ -165,7 +165,7 @@ class DataFileLocator:
             return values_sidecar.decode_one(document[entry.fqn])
         data = self.value_bytes(entry)
         if not data.startswith(b"\x80"):
-            # HyperParallel writes `bytes` values raw, not pickled (format spec 4.4); a damaged
+            # HyperParallel writes `bytes` values raw, not pickled; a damaged
             # pickle looks the same, so every command that reads one says so
             note = (f"{entry.fqn}: its {len(data)} bytes in {entry.file} are no pickle: read as a raw bytes value, as "
                     "HyperParallel saves one (HyperParallel's own loader cannot load it)")

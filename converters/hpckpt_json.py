@@ -1,6 +1,6 @@
 """The world size and layout hpckpt's writers record: the manifest's header, or `.hpckpt.json`.
 
-hpckpt now writes this record as part of the manifest (`core.manifest`, `.hpckpt-manifest.jsonl`,
+hpckpt now writes this record as part of the manifest (`core.commit.manifest`, `.hpckpt-manifest.jsonl`,
 whose header has the same `format`, `world_size`, `mesh`, `placements` and `metadata` sizes);
 checkpoints written before it have `.hpckpt.json`, described below, which is still read. A
 manifest, when there is one, is the record; `.hpckpt.json` is then not consulted.
@@ -21,7 +21,7 @@ its `storage_data` names, PyTorch's `FileSystemReader` `.metadata` and the files
 later manifest (issue 10) is meant to absorb it.
 
 Reading: it is checkpoint input, so it is read only up to `MAX_BYTES` (a regular file, JSON of
-limited depth: `core.input_files`), its fields are type-checked, and it is used
+limited depth: `core.safety.input_files`), its fields are type-checked, and it is used
 only when it agrees with the checkpoint (its format, the sizes of the metadata files it names,
 every rank in a file name below its world size); otherwise a warning says why and the world size
 stays the one inferred from file names. It never fails a command.

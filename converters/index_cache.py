@@ -1,7 +1,7 @@
 """A snapshot of a large checkpoint's index (all but the chunk lists), so a second `inspect` is instant.
 
-Parsing a metadata pickle costs about 4 µs per chunk in CPython (1.35 s for 640,000 chunks even
-when every object is thrown away), so a 64-rank, 10,000-tensor checkpoint takes seconds to
+Parsing a metadata pickle costs microseconds per chunk in CPython even when every object is
+thrown away (docs/design-figures.md), so a 64-rank, 10,000-tensor checkpoint takes seconds to
 list however the pickle is read. After the first parse, the tensor list, values and files are
 stored as JSON (never a pickle) under the user's cache directory, keyed by the metadata files'
 path, size, mtime, ctime and inode; any change to them misses the cache. Chunk lists are not
@@ -9,7 +9,7 @@ stored: a command that needs them parses the real metadata then. Only checkpoint
 metadata exceeds `MIN_METADATA_BYTES` are cached. `HPCKPT_NO_CACHE=1` turns it off;
 `HPCKPT_CACHE_DIR` moves it. `verify` never uses it: it always reads the real metadata.
 
-The same snapshot is the listing a manifest carries (`core.manifest`, its header's `index`), made
+The same snapshot is the listing a manifest carries (`core.commit.manifest`, its header's `index`), made
 by the writer from its output: `from_manifest` takes it while every metadata file has the size
 and digest the manifest records, so even the first `inspect` of a checkpoint hpckpt wrote (or
 `hpckpt checksum` recorded) needs no pickle. It is checkpoint input, so it is type-checked first.

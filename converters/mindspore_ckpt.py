@@ -1,5 +1,5 @@
 """A MindSpore `.ckpt` file: one protobuf stream of tensors (some split over several Values) and
-`str` values, indexed by walking its fields (`core.mindspore_ckpt.scan`), read by byte range.
+`str` values, indexed by walking its fields (`core.codecs.mindspore_ckpt.scan`), read by byte range.
 
 Written as `mindspore.save_checkpoint` writes it, byte for byte: every tensor a Value whose
 header follows from its dtype and shape, cut every `SPLIT_BYTES` into Values with the same tag

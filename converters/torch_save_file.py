@@ -7,7 +7,7 @@ A list or tuple holding a tensor is entered too, named as DCP names list items
 tuple or other leaf holding no tensor stays one value, as before.
 
 Written: one flat dict `{fqn: tensor or value}` that `torch.load(..., weights_only=True)` and
-`mmap=True` load; tensors in the plan's order, then the values (`core.torch_archive`).
+`mmap=True` load; tensors in the plan's order, then the values (`core.codecs.torch_archive`).
 """
 
 from __future__ import annotations

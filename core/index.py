@@ -7,7 +7,7 @@ file is resolved lazily through the adapter's `Locator`, so listing a checkpoint
 data files.
 
 An index is also what the engine copies from, and a source has two kinds of chunks: bytes in a
-file (`Location`) and arrays in memory (`BufferLocation`, see `core.memory_source`), so the same
+file (`Location`) and arrays in memory (`BufferLocation`, see `core.io.memory_source`), so the same
 writers serve an offline conversion and a running job's save.
 """
 

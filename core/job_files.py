@@ -62,7 +62,7 @@ def write_status(run_dir: Path, rank: int, state: str, *, kind: str | None = Non
 
 
 class ProgressFile:
-    """A rank's progress (the `start(total)` / `advance(n)` protocol of `core.write.Progress`),
+    """A rank's progress (the `start(total)` / `advance(n)` protocol of `core.io.write.Progress`),
     kept in `progress-{r}.json`; rewritten at most every PROGRESS_INTERVAL seconds so a copy of
     millions of small chunks does not turn into millions of renames. The copy engine advances it
     from its worker threads, hence the lock. A second `start` adds to the total (a job of two

@@ -3,7 +3,7 @@
 The live half of hpckpt. Every rank describes what it holds (DTensor shards, plain tensors,
 tensors carrying HyperParallel's `chunk_info`, tensors wrapped with their layout by `sharded`,
 values), the local plans are gathered, every rank
-builds the same global plan from them (`core.global_plan`: replicas stored once), each rank writes
+builds the same global plan from them (`core.geometry.global_plan`: replicas stored once), each rank writes
 its own files through the one HyperParallel writer and engine into a shared staging directory,
 and the coordinator commits (`.metadata` last, one rename). Loading reads, on each rank, only the
 overlaps of its boxes with the saved ones, from any format hpckpt reads; a box several ranks want

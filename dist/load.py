@@ -1,7 +1,7 @@
 """`load`: fill a running job's tensors, in place, from a checkpoint of any format and layout.
 
 Each rank asks for the boxes it holds (`dist.shards`) and reads, with ranged reads, only their
-overlaps with the saved chunks (`core.read.read_box`). With `broadcast_shared`, the boxes several
+overlaps with the saved chunks (`core.io.read.read_box`). With `broadcast_shared`, the boxes several
 ranks want (HSDP replicas, replicated tensors) are found from one gather of every rank's wanted
 boxes; each is read from storage by one of its holders, chosen to balance bytes (largest first,
 the least-loaded holder), and sent to the others in batches. So the job reads every distinct box

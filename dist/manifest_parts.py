@@ -1,4 +1,4 @@
-"""The manifest of a checkpoint many ranks write (`core.manifest`): each rank writes the lines
+"""The manifest of a checkpoint many ranks write (`core.commit.manifest`): each rank writes the lines
 of its own files beside them, as it hashed them while writing; the coordinator joins them
 under one header. No rank's data is read again."""
 
@@ -62,6 +62,6 @@ def write_manifest(staging: Path, *, format_name: str, world_size: int, files: S
                     shutil.copyfileobj(f, out, 8 << 20)
 
     # fsynced; the staging directory is fsynced when the save commits
-    replace_file(staging / manifest.NAME, write, fsync=True, aside=staging / f".tmp-{manifest.NAME}")
+    replace_file(staging / manifest.NAME, write, fsync=True, aside=staging / f".tmp-{manifest.NAME}", mode=0o666)
     for part in parts:
         part.unlink(missing_ok=True)

@@ -5,9 +5,9 @@
 2. The coordinator takes the destination's lock and creates the staging directory every rank
    shares (`.NAME.hpckpt-tmp-dist`, `core.commit.Staging`), removing what a killed save left.
 3. The local plans are gathered (`coordination`), and every rank builds the same global plan
-   (`core.global_plan`), or takes it from the plan cache when every rank's part is unchanged.
+   (`core.geometry.global_plan`), or takes it from the plan cache when every rank's part is unchanged.
 4. Each rank writes the files of the boxes it stores through the HyperParallel writer and the
-   engine (`core.engine`), fsynced, and reports them.
+   engine (`core.io.engine`), fsynced, and reports them.
 5. Once every rank has reported, the coordinator checks the files, writes `.metadata` last and
    renames the staging directory into place. Until then there is nothing at the destination
    that loads or verifies; a job that dies leaves only the staging directory, which the next
@@ -94,7 +94,6 @@ def _options(process_group, coordinator, coordination, use_collectives, dedup, p
     return dict(process_group=process_group, coordinator=coordinator,
                 coordination=coordination_of(coordination, use_collectives), dedup=dedup, plan_cache=plan_cache,
                 timeout=timeout, progress=progress, no_dist=no_dist, format=format_of(format, storage_writer))
-
 
 
 def async_save(state_dict: Any, checkpoint_id: str | os.PathLike | None = None, *, process_group: Any = None,

@@ -23,7 +23,7 @@ from hpckpt.core.io.write import WriteSettings, fill, lay_out
 from hpckpt.dist import manifest_parts
 from hpckpt.dist.coordination import Restarted, Storage, confirm_and_wait
 from hpckpt.dist.results import SaveResult
-from hpckpt.dist.save_plan import PlannedSave, _error_text, _errors, plan_again
+from hpckpt.dist.save_plan import PlannedSave, error_text, plan_again, raise_reported
 
 
 def persist(planned: PlannedSave) -> SaveResult:
@@ -42,7 +42,7 @@ def persist(planned: PlannedSave) -> SaveResult:
 
 def _write_own(planned: PlannedSave, plan, directory: Path, lengths) -> tuple[list[list], int, Finished, list]:
     """This rank's files of `plan` (the boxes it stores, the values it stores) in `directory`,
-    through the writer, engine and accounting every command uses (`core.write`); returns them,
+    through the writer, engine and accounting every command uses (`core.io.write`); returns them,
     their bytes, the writer's metadata of `plan` and their digests."""
     request = planned.request
     own = {v.fqn: request.local.payloads[v.fqn] for v in plan.values if v.rank in plan.producing}
@@ -79,12 +79,12 @@ def _persist_together(planned: PlannedSave) -> SaveResult:
                                                                       gp.value_lengths)
         mine["digests"] = manifest_parts.write_part(request.staging_path, rank, digests)
     except Exception as exc:
-        mine["error"], own_error = _error_text(exc), exc
+        mine["error"], own_error = error_text(exc), exc
     writing = time.perf_counter() - t0
     answers = exchange.all_gather("done", mine, "report the files written")
     if own_error is not None:
         raise own_error  # this rank's own error as it is; the others raise a SaveError naming this rank
-    _errors(answers, "save failed while writing")
+    raise_reported(answers, "save failed while writing")
     if isinstance(exchange, Storage):  # the coordinator renames only after every rank has seen this
         if request.is_coordinator:
             exchange.all_gather("seen", {}, "confirm the reports")
@@ -98,8 +98,8 @@ def _persist_together(planned: PlannedSave) -> SaveResult:
         except Exception as exc:
             committed_error = exc
     if not isinstance(exchange, Storage):
-        outcome = exchange.all_gather("outcome", {"error": _error_text(committed_error) if committed_error else None})
-        _errors(outcome, "save failed at the commit")
+        outcome = exchange.all_gather("outcome", {"error": error_text(committed_error) if committed_error else None})
+        raise_reported(outcome, "save failed at the commit")
     elif committed_error is not None:
         raise committed_error
     files = tuple(name for name, _size in mine["files"])

@@ -38,10 +38,35 @@ from hpckpt.dist.shards import shards_of
 from hpckpt.dist.stateful import is_stateful, resolve
 
 COORDINATIONS = ("collectives", "storage", "none")
-_CACHE_SIZE = 8
-_plan_cache: dict[str, GlobalPlan] = {}  # key -> plan, oldest first
-_plan_digests: dict[str, tuple[str, ...]] = {}  # key -> every rank's digest that made the plan
-_sequence: dict[str, int] = {}  # path -> saves this process made to it (every rank makes the same)
+
+
+class _PlanCache:
+    """The global plans this process built, oldest first, each with every rank's digest that made
+    it; the oldest go beyond `size`."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._plans: dict[str, GlobalPlan] = {}
+        self._digests: dict[str, tuple[str, ...]] = {}
+
+    def keys(self) -> list[str]:
+        return list(self._plans)
+
+    def holds_part(self, rank: int, world_size: int, digest: str) -> bool:
+        """Some cached plan was made with this rank's part exactly as it is now."""
+        return any(len(d) == world_size and d[rank] == digest for d in self._digests.values())
+
+    def get(self, key: str) -> GlobalPlan | None:
+        return self._plans.get(key)
+
+    def put(self, key: str, plan: GlobalPlan, digests: tuple[str, ...]) -> None:
+        self._plans[key], self._digests[key] = plan, digests
+        while len(self._plans) > self.size:
+            self._digests.pop(self._plans.pop(next(iter(self._plans))).key, None)
+
+
+_plans = _PlanCache(8)
+_saves_made: dict[str, int] = {}  # path -> saves this process made to it (every rank makes the same)
 
 
 @dataclass
@@ -79,7 +104,7 @@ def _describe(flat: dict, paths: dict, fw, rank: int, global_rank: int, *, stage
                         "cannot be saved", hint="return its state_dict() there instead, or put it at the top "
                         "of the state dict") from None
                 raise UnsafePickleError(
-                    f"{fqn}: a {type(obj).__name__} value cannot be saved: {fmt.cannot} ({_error_text(exc)})",
+                    f"{fqn}: a {type(obj).__name__} value cannot be saved: {fmt.cannot} ({error_text(exc)})",
                     hint="save plain Python values (numbers, strings, lists, dicts, tuples) or tensors") from None
             payloads[fqn] = payload
             values.append(LocalValue(fqn, len(payload), hashlib.sha256(payload).hexdigest()))
@@ -180,7 +205,7 @@ class PlannedSave:
 def plan_save(request: SaveRequest) -> PlannedSave:
     """Steps 2-3; whatever they opened is released if they fail."""
     save_id = _save_id(request.path, request.job) if request.exchange == "storage" else ""
-    _sequence[str(request.path)] = _sequence.get(str(request.path), 0) + 1
+    _saves_made[str(request.path)] = _saves_made.get(str(request.path), 0) + 1
     if request.coordination == "none":
         return _plan_rank_local(request)
     resources = ExitStack()
@@ -213,7 +238,7 @@ def _save_id(path: Path, job: Job) -> str:
     if identity is None:
         raise ValueError("storage coordination needs a job identity shared by every rank: set HPCKPT_JOB_ID "
                          "(torchrun sets TORCHELASTIC_RUN_ID)")
-    return f"{identity}#{job.world_size}#{_sequence.get(str(path), 0)}"
+    return f"{identity}#{job.world_size}#{_saves_made.get(str(path), 0)}"
 
 
 def _open_staging(request: SaveRequest, resources: ExitStack, save_id: str) -> tuple[Staging, str]:
@@ -241,22 +266,22 @@ def _plan_together(request: SaveRequest, resources: ExitStack, save_id: str) -> 
     error = request.local_error or setup_error
     digest = request.local.plan.digest() if request.local else ""
     rank, world = request.job.rank, request.job.world_size
-    held = list(_plan_cache) if request.use_cache else []
+    held = _plans.keys() if request.use_cache else []
     # this rank's part is unchanged from a cached plan: no need to send it (the others may need
     # it all the same, then it is sent in a second round)
-    expect_hit = any(len(d) == world and d[rank] == digest for d in (_plan_digests[k] for k in held))
-    mine = {"error": _error_text(error) if error else None, "nonce": nonce, "digest": digest, "cached": held,
+    expect_hit = bool(held) and _plans.holds_part(rank, world, digest)
+    mine = {"error": error_text(error) if error else None, "nonce": nonce, "digest": digest, "cached": held,
             "plan": None if (expect_hit or error) else request.local.plan.to_json()}
     answers = exchange.all_gather("plan", mine, "send a plan")
     if error is not None:
         raise error  # this rank's own error as it is; the others raise a SaveError naming this rank
-    _errors(answers, "save refused before writing")
+    raise_reported(answers, "save refused before writing")
     nonce = answers[request.coordinator]["nonce"]
     digests = tuple(a["digest"] for a in answers)
     key = plan_key(digests, {"dedup": request.dedup, "world_size": request.job.world_size})
     # a hit only when every rank still holds this very plan: decided from what all gathered,
     # so every rank decides alike (one rank's cache may have lost it)
-    cached = _plan_cache.get(key) if request.use_cache and all(key in a["cached"] for a in answers) else None
+    cached = _plans.get(key) if request.use_cache and all(key in a["cached"] for a in answers) else None
     if cached is not None:
         global_plan, cache_state = cached, "hit"
     else:
@@ -266,10 +291,7 @@ def _plan_together(request: SaveRequest, resources: ExitStack, save_id: str) -> 
         global_plan = build_global_plan(plans, dedup=request.dedup, key=key)
         cache_state = "miss" if request.use_cache else "off"
         if request.use_cache:
-            _plan_cache[key] = global_plan
-            _plan_digests[key] = digests
-            while len(_plan_cache) > _CACHE_SIZE:
-                _plan_digests.pop(_plan_cache.pop(next(iter(_plan_cache))).key, None)
+            _plans.put(key, global_plan, digests)
     return PlannedSave(request=request, save_id=save_id, nonce=nonce, token=token, global_plan=global_plan,
                        staging=staging, cache_state=cache_state, planning=time.perf_counter() - t0,
                        resources=resources)
@@ -286,7 +308,7 @@ def _plan_rank_local(request: SaveRequest) -> PlannedSave:
     return PlannedSave(request=request, rank_local_plan=plan, lengths={fqn: len(p) for fqn, p in local.payloads.items()})
 
 
-def _errors(answers: list[dict], what: str) -> None:
+def raise_reported(answers: list[dict], what: str) -> None:
     """Raise on every rank when some rank reported an error."""
     failed = [(r, a["error"]) for r, a in enumerate(answers) if a.get("error")]
     if failed:
@@ -295,5 +317,6 @@ def _errors(answers: list[dict], what: str) -> None:
         raise SaveError(f"{what}: rank {rank}: {message}{more}", hint="nothing was committed")
 
 
-def _error_text(exc: BaseException) -> str:
+def error_text(exc: BaseException) -> str:
+    """How a rank reports its error to the others (one line, no traceback)."""
     return exc.message if isinstance(exc, HpckptError) else f"{type(exc).__name__}: {exc}"

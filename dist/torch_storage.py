@@ -10,7 +10,7 @@ own `dcp.load` and `dcp.save`, as s3torchconnector plugs its storage into them.
 `HpckptReader` gives torch the metadata of any checkpoint hpckpt reads (HyperParallel current and
 legacy, PyTorch DCP, MindSpore `.ckpt`, safetensors and Hugging Face sharded, torch.save): each
 tensor's stored chunks. torch's planner then asks for the overlaps of its targets with them, and
-each is read with ranged reads into the target (`core.read.read_box`). A value is decoded by
+each is read with ranged reads into the target (`core.io.read.read_box`). A value is decoded by
 hpckpt's safe unpickler and handed to torch's planner as a torch.save record hpckpt wrote of it;
 torch's `torch.load(weights_only=False)` never meets a checkpoint's own pickle.
 
@@ -194,9 +194,8 @@ class HpckptWriter(StorageWriter):
         self._release()
         stale = _open_stagings.pop(self.path, None)  # a failed save's (torch calls no finish then)
         if stale is not None:
-            stale.__exit__(None, None, None)
+            stale.close()
         self.staging = Staging(self.path, force=True, sync=self.sync, parents=True, shared=True)
-        self.staging.__enter__()
         _open_stagings[self.path] = self.staging
         return [replace(p, storage_data=rank) for rank, p in enumerate(plans)]
 
@@ -257,7 +256,7 @@ class HpckptWriter(StorageWriter):
 
     def _release(self) -> None:
         if self.staging is not None:
-            self.staging.__exit__(None, None, None)  # removes it unless committed; releases the lock
+            self.staging.close()  # removes it unless committed; releases the lock
             if _open_stagings.get(self.path) is self.staging:
                 del _open_stagings[self.path]
             self.staging = None

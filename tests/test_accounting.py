@@ -1,5 +1,5 @@
-"""Nothing lost, nothing silently wrong: the checks every write passes through (`core.accounting`),
-exact coverage of the boxes a copy fills (`core.overlap`), and sources that change under a run."""
+"""Nothing lost, nothing silently wrong: the checks every write passes through (`core.io.accounting`),
+exact coverage of the boxes a copy fills (`core.geometry.overlap`), and sources that change under a run."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""`core.geometry.assign.least_loaded`: the one replica de-dup rule the offline planner, the live
-save's global plan and the live load's choice of readers share."""
+"""`core.geometry.assign.least_loaded`: the one balanced assignment the offline planner, the live
+save's global plan, the live load's choice of readers and `run reshard`'s worker shares share."""
 
 from __future__ import annotations
 
@@ -48,3 +48,39 @@ def test_many_holders_take_the_array_path_with_the_same_rule():
         expected.append(best)
         loads[best] += nbytes
     assert least_loaded(load, shared) == expected
+
+
+def test_with_counts_equal_loads_go_to_the_holder_with_fewer_boxes_first():
+    # without counts every zero-byte box lands on rank 0; with them they are dealt out in turn
+    assert least_loaded([0, 0], [([0, 1], 0)] * 4) == [0, 0, 0, 0]
+    assert least_loaded([0, 0], [([0, 1], 0)] * 4, counts=[0, 0]) == [0, 1, 0, 1]
+    assert least_loaded([0, 0, 0], [([0, 1, 2], 0)], counts=[2, 1, 1]) == [1]
+    assert least_loaded([5, 0], [([0, 1], 1)], counts=[0, 9]) == [1]  # the load decides first
+
+
+def test_with_counts_many_holders_keep_the_same_rule_and_the_holders_order_on_full_ties():
+    holders = list(range(39, -1, -1))
+    assert least_loaded([0] * 40, [(holders, 0)], counts=[1] * 39 + [0]) == [39]
+    assert least_loaded([0] * 40, [(holders, 0)], counts=[0] * 40) == [39]  # over 16 holders: first in order
+    assert least_loaded([0] * 40, [(np.arange(40), 0)] * 3, counts=[0] * 40) == [0, 1, 2]
+
+
+def test_counts_are_not_touched():
+    counts = [0, 0, 0]
+    assert least_loaded([0, 0, 0], [([0, 1, 2], 3)] * 3, counts=counts) == [0, 1, 2]
+    assert counts == [0, 0, 0]
+
+
+def test_with_counts_both_paths_follow_load_then_boxes_then_rank():
+    rng = np.random.default_rng(1)
+    load = rng.integers(0, 3, 48).tolist()
+    counts = rng.integers(0, 3, 48).tolist()
+    shared = [(np.sort(rng.choice(48, size=int(rng.integers(1, 48)), replace=False)), int(rng.integers(0, 3)))
+              for _ in range(300)]
+    loads, boxes, expected = list(load), list(counts), []
+    for holders, nbytes in shared:
+        best = min(holders.tolist(), key=lambda r: (loads[r], boxes[r], r))
+        expected.append(best)
+        loads[best] += nbytes
+        boxes[best] += 1
+    assert least_loaded(load, shared, counts=counts) == expected

@@ -49,7 +49,7 @@ KILL_JOB = Path(__file__).parent / "dist_scripts" / "kill_job.py"
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                  "MASTER_PORT", "TORCHELASTIC_RUN_ID", "HPCKPT_JOB_ID")
 WORLD = 2
-MANIFEST = ".hpckpt-manifest.jsonl"  # `core.manifest.NAME`, when the save writes one
+MANIFEST = ".hpckpt-manifest.jsonl"  # `core.commit.manifest.NAME`, when the save writes one
 
 SEED = int(os.environ.get("HPCKPT_KILL_SEED", "13"))
 POINTS = int(os.environ.get("HPCKPT_KILL_POINTS", "20"))

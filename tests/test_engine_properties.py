@@ -35,7 +35,7 @@ from hpckpt.core.geometry.overlap import ChunkIndex, boxes_to_arrays
 
 
 class ChunkFinder:
-    """`core.overlap.ChunkIndex` asked one box at a time, its pieces given with their chunk."""
+    """`core.geometry.overlap.ChunkIndex` asked one box at a time, its pieces given with their chunk."""
 
     def __init__(self, chunks: list[Chunk]):
         self.chunks = chunks

@@ -137,7 +137,7 @@ def _flag_members(raw: bytes, flag: int) -> bytes:
 @pytest.mark.parametrize("flag", [0x20, 0x01], ids=["patched-data", "encrypted"])
 def test_found_zip_flags(samples, flag):
     """zipfile raises NotImplementedError (bit 5, patched data) and RuntimeError (bit 0,
-    encrypted) for members torch never writes; `core.torch_zip` let them escape."""
+    encrypted) for members torch never writes; `core.codecs.torch_zip` let them escape."""
     raw = _flag_members((samples / "pt" / "state.pt").read_bytes(), flag)
     assert ft.run_input(samples, ft.TARGETS["torch-save"], "pt/state.pt", raw) == "corrupt-data"
 

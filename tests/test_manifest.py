@@ -1,10 +1,10 @@
-"""The manifest every hpckpt writer adds (`core.manifest`), its digests taken while writing.
+"""The manifest every hpckpt writer adds (`core.commit.manifest`), its digests taken while writing.
 
 For every output format (HyperParallel, PyTorch DCP, HF sharded, safetensors, torch.save, MindSpore
 `.ckpt` with and without its CRC trailer) and for a fan-out run: the output has exactly one
 manifest; its header names the format, world size, layout, hpckpt's version, the command and the
 source (the source's own manifest digest when it had one); and reading every file back with
-`core.digest.scan_file` gives the file and box digests the writer recorded without reading
+`core.io.digest.scan_file` gives the file and box digests the writer recorded without reading
 anything back (the proof that hashing while writing hashes what was written, patches and
 headers included). Each box line matches the chunk the format's reader finds (file, offsets,
 sizes, byte range). `inspect` takes the listing from a valid manifest without unpickling the

@@ -430,7 +430,7 @@ TORCH_SAVE_CASES = {  # name -> (data.pkl, exit code)
 
 
 # Found where chunks become boxes to read or verify, not by inspect's layout pass over the chunk
-# arrays (a check there would cost planning 6%: `core.metadata.check_shared_starts`).
+# arrays (a check there would cost planning 6%: `core.codecs.hyperparallel_metadata.check_shared_starts`).
 CHECKED_WHEN_READ = ("duplicate-storage-keys",)
 RANK_LOCAL_TOO = ("state-dict-none", "offsets-none")  # also as a rank-local `__0.metadata`
 

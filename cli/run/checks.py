@@ -85,6 +85,7 @@ def paths(spec: dict) -> None:
     """
     import os
 
+    import hpckpt.converters  # noqa: F401 - registers what a destination check asks of the formats
     from hpckpt.core.commit.destination import refuse_existing, refuse_unsafe
     from hpckpt.core.errors import PathNotFoundError
 

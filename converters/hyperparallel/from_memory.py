@@ -1,8 +1,8 @@
 """A HyperParallel checkpoint written from chunks held in memory, placed on ranks by the caller.
 
 Examples, tests and benchmarks need checkpoints with an exact layout (which rank stores which
-box). This is a save from memory: the chunks become an in-memory source (`core.memory_source`),
-their placement a plan (`core.plan.plan_as_given`), and the one HyperParallel writer, engine and
+box). This is a save from memory: the chunks become an in-memory source (`core.io.memory_source`),
+their placement a plan (`core.geometry.plan.plan_as_given`), and the one HyperParallel writer, engine and
 commit write it, so these checkpoints are byte for byte what hpckpt writes everywhere else.
 """
 

@@ -22,9 +22,10 @@ from hpckpt.core.codecs.hyperparallel_metadata import (
     Metadata,
     MetadataIndex,
     TensorStorageMetadata,
+    check_hp_metadata,
+    check_shared_starts,
 )
-from hpckpt.core.codecs.hyperparallel_metadata import (bad_chunk, check_hp_metadata, check_ints, check_shape, check_shared_starts,
-                                  dtype_spelling, guarded, storage_paths)
+from hpckpt.core.codecs.metadata_schema import bad_chunk, check_ints, check_shape, dtype_spelling, guarded, storage_paths
 from hpckpt.core.commit import manifest
 from hpckpt.core.errors import CorruptMetadataError, UnknownFormatError, UnsafePathError
 from hpckpt.core.geometry.box import Box

@@ -4,7 +4,7 @@ Per storing rank one `_rank{r}_.safetensors` (keys `fqn`, or `fqn.__dcp_chunk_{i
 holds several chunks of one tensor), values pickled (protocol 4) into `_rank{r}_.bytes`, and
 `.metadata` last: chunks listed rank-major with `MetadataIndex.index` = position, dtypes spelled
 as torch or MindSpore writes them (`--framework`, default the source's). The world size and
-layout written, which file names cannot tell, are in the manifest `core.write` adds.
+layout written, which file names cannot tell, are in the manifest `core.io.write` adds.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class HyperParallelWriter:
         return sorted(tensors + [values_file(r) for r in {v.rank for v in plan.values} if r in plan.producing])
 
     def finish(self, crcs: Mapping[str, int]) -> Finished:
-        """`.metadata` (the world size and layout written go into the manifest, `core.write`)."""
+        """`.metadata` (the world size and layout written go into the manifest, `core.io.write`)."""
         assert self._plan is not None, "layout() first"
         return Finished(metadata=((METADATA_NAME, dumps_metadata(self.metadata())),))
 

@@ -3,7 +3,7 @@
 `naming.mapping` decides which destination tensors are derived (MindSpore's one `global_step`
 becomes a `step` per torch parameter, torch's steps and betas become `beta1_power`...); this
 computes their values from the source's counters, which are small tensors or plain values, and
-presents them, held in memory, beside the source's own tensors (`core.memory_source`).
+presents them, held in memory, beside the source's own tensors (`core.io.memory_source`).
 """
 
 from __future__ import annotations

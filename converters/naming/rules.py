@@ -1,6 +1,6 @@
 """User name rules (`--name-rules`): regex renames, transposes and casts, from a TOML file.
 
-The file format is in docs/name-rules.md. `core.rules_file` reads the file; every mistake in it
+The file format is in docs/name-rules.md. `core.safety.rules_file` reads the file; every mistake in it
 raises `NameRuleError` (a usage error, exit 2) naming the file and rule, and a file that does not
 exist raises `PathNotFoundError` (exit 3).
 """

@@ -2,7 +2,7 @@
 rank, `metadata_files`) plus `__{rank}_{i}.distcp` files.
 
 The metadata is a pickle of `torch.distributed.checkpoint` classes, loaded through the safe
-unpickler into the mirrors of `core.torch_dcp_metadata`. Each stored item (a tensor chunk or a
+unpickler into the mirrors of `core.codecs.torch_dcp_metadata`. Each stored item (a tensor chunk or a
 non-tensor value) is a complete torch.save zip record at the byte range its `_StorageInfo` gives;
 the locator parses that record's directory only when a chunk is asked for. A value item that is
 no zip record is raw bytes (what a planner returning an `io.BytesIO` unsaved writes); a value
@@ -21,7 +21,7 @@ from hpckpt.converters.torch_dcp import metadata_files, nested
 from hpckpt.converters.torch_dcp.metadata_files import RANK_FILE, RANK_LOCAL
 from hpckpt.core import dtypes
 from hpckpt.core.codecs import safetensors_io
-from hpckpt.core.codecs.hyperparallel_metadata import check_ints, check_shape, dtype_spelling, schema_errors
+from hpckpt.core.codecs.metadata_schema import check_ints, check_shape, dtype_spelling, schema_errors
 from hpckpt.core.codecs.torch_dcp_metadata import (
     BytesStorageMetadata,
     Metadata,

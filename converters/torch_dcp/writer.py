@@ -6,7 +6,7 @@ rank the plan gives it (rank 0's in a conversion; in a running job, that of a ra
 as each PyTorch rank writes its own). The plan's replicas are stored once, as HyperParallel and
 PyTorch's de-dup do. Every archive's position follows from the plan, so `.metadata` (which gives
 each item's byte range) is known for every rank, also in a fan-out run that writes only some.
-The world size and layout written are in the manifest `core.write` adds.
+The world size and layout written are in the manifest `core.io.write` adds.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Mirrors of PyTorch DCP's `.metadata` classes, so torch-written metadata loads without torch.
 
 Only what a reader needs is kept; torch dtypes arrive as our `DType` and `torch.Size` as tuples
-(see `core.unpickle`). `TensorProperties` is pickled by torch as a 5-tuple state.
+(see `core.safety.unpickle`). `TensorProperties` is pickled by torch as a 5-tuple state.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpckpt.core.codecs.hyperparallel_metadata import RequiredFields, check_entries
+from hpckpt.core.codecs.metadata_schema import RequiredFields, check_entries
 
 
 @dataclass
@@ -97,6 +97,6 @@ TORCH_DCP_CLASSES: dict[tuple[str, str], Any] = {
 
 
 def check_dcp_metadata(metadata: Metadata, nbytes: int, where: str) -> None:
-    """The schema of PyTorch DCP metadata, per tensor (see `core.metadata.check_entries`)."""
+    """The schema of PyTorch DCP metadata, per tensor (see `metadata_schema.check_entries`)."""
     check_entries(metadata, nbytes, where, storage_types=(MetadataIndex, _StorageInfo),
                   tensor_type=TensorStorageMetadata)

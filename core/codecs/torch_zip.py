@@ -6,8 +6,8 @@ storages), `<prefix>/data/<key>` (raw little-endian storage bytes) and small rec
 everything here works on a window `[start, start + length)` of a larger file and reports absolute
 offsets in that outer file. Only the central directory, the local headers and `data.pkl` are read:
 tensor bytes stay on disk until a reader asks for a `Location`, which carries its storage's
-CRC-32 from the zip directory, so that every copy from it is checked (`core.checksums`). What the
-pickle's globals stand for is `core.torch_globals`.
+CRC-32 from the zip directory, so that every copy from it is checked (`core.io.checksums`). What the
+pickle's globals stand for is `core.safety.torch_globals`.
 """
 
 from __future__ import annotations

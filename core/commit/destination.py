@@ -10,7 +10,14 @@ import os
 from pathlib import Path
 
 from hpckpt.core.commit import formats
-from hpckpt.core.commit.leftovers import _STAGING_NAME, FRAGMENT_DIR, TMP_MARK, _sidecar_owner, _sidecars_of, staging_directory
+from hpckpt.core.commit.leftovers import (
+    FRAGMENT_DIR,
+    STAGING_NAME,
+    TMP_MARK,
+    sidecar_owner_path,
+    sidecars_of,
+    staging_directory,
+)
 from hpckpt.core.commit.lock import LOCK_SUFFIX
 from hpckpt.core.commit.manifest import SUFFIX as MANIFEST_SUFFIX
 from hpckpt.core.errors import (
@@ -104,9 +111,9 @@ def refuse_existing(dest: Path, force: bool, file_output: bool = False) -> None:
     _refuse_foreign(dest)
 
 
-def _refuse_existing_sidecars(dest: Path, staged: list[str], force: bool) -> None:
+def refuse_existing_sidecars(dest: Path, staged: list[str], force: bool) -> None:
     """A sidecar already beside a single-file destination is part of what would be replaced."""
-    for name in dict.fromkeys((*_sidecars_of(dest.name), *staged)):
+    for name in dict.fromkeys((*sidecars_of(dest.name), *staged)):
         path = dest.parent / name
         if os.path.lexists(path) and name != dest.name:
             if not force:
@@ -137,7 +144,7 @@ def _foreign(path: Path) -> str | None:
     if path.is_file():
         if path.name.endswith(MANIFEST_SUFFIX):
             return None if _is_manifest(path) else "it is not a manifest hpckpt wrote"
-        if _sidecar_owner(path) is not None:
+        if sidecar_owner_path(path) is not None:
             return None if _is_sidecar(path) else "it is not a values sidecar hpckpt wrote"
         return None if _recognised(path) else (f"it is a file of {path.stat().st_size} bytes and no checkpoint "
                                                "hpckpt recognises")
@@ -174,7 +181,7 @@ def _hpckpt_own(directory: Path, name: str, listed: set[str], fmt: str) -> bool:
     from hpckpt.core.commit import manifest
 
     knowledge = formats.known()
-    if name in (manifest.NAME, FRAGMENT_DIR) or _STAGING_NAME.match(name) or knowledge.is_own_file(name, fmt):
+    if name in (manifest.NAME, FRAGMENT_DIR) or STAGING_NAME.match(name) or knowledge.is_own_file(name, fmt):
         return True
     if name.endswith(manifest.SUFFIX) and name.removesuffix(manifest.SUFFIX) in listed:  # a file's manifest
         return True

@@ -25,14 +25,14 @@ DIST_MARK = "dist"  # `.NAME.hpckpt-tmp-dist`: the staging directory all ranks o
 # by offline runs: its writers are processes of another job, perhaps on other machines.
 # `.NAME.hpckpt-tmp-PID` (staging), `.NAME.hpckpt-tmp-old-PID` (moved aside), and inside a fan-out
 # directory `.hpckpt-tmp-PID` (a job's staging) and `.hpckpt-tmp-PID-FILE` (a file being published)
-_STAGING_NAME = re.compile(rf"^(?:\..+)?{re.escape(TMP_MARK)}(?:(old-)?(\d+)(?:-.+)?|{DIST_MARK})$", re.DOTALL)
+STAGING_NAME = re.compile(rf"^(?:\..+)?{re.escape(TMP_MARK)}(?:(old-)?(\d+)(?:-.+)?|{DIST_MARK})$", re.DOTALL)
 
 
 def staging_directory(path: Path) -> Path | None:
     """The hpckpt staging directory `path` is (or lies in), or None: what a run that did not
     finish leaves behind must never be read as a checkpoint."""
     for part in (path, *path.parents):
-        if _STAGING_NAME.match(part.name):
+        if STAGING_NAME.match(part.name):
             return part
     return None
 
@@ -66,7 +66,7 @@ def leftover(path: Path) -> str | None:
     path = Path(path).absolute()
     staging = staging_directory(path)
     if staging is not None:
-        match = _STAGING_NAME.match(staging.name)
+        match = STAGING_NAME.match(staging.name)
         pid = int(match.group(2)) if match.group(2) else None
         if pid is None:
             return (f"{staging} is the staging directory of an unfinished distributed save (hpckpt.dist); the next "
@@ -78,7 +78,7 @@ def leftover(path: Path) -> str | None:
     if path.name.startswith(".") and path.name.endswith(LOCK_SUFFIX) and path.is_file():
         pid = holder(path)
         return f"{path} is the lock file of an hpckpt run ({_run(pid)}){_remove_hint(path, pid)}"
-    owner = _sidecar_owner(path)
+    owner = sidecar_owner_path(path)
     if owner is not None and path.is_file() and not os.path.lexists(owner):
         kind = "manifest" if path.name.endswith(".hpckpt-manifest.jsonl") else "values sidecar"
         return (f"{path} is the {kind} of {owner}, which does not exist (an hpckpt run that did not "
@@ -86,14 +86,15 @@ def leftover(path: Path) -> str | None:
     return None
 
 
-def _sidecar_owner(path: Path) -> Path | None:
+def sidecar_owner_path(path: Path) -> Path | None:
+    """The file the sidecar `path` belongs to (as the converters registered it), or None."""
     name = formats.known().sidecar_owner(path.name)
     return path.with_name(name) if name else None
 
 
-def _sidecars_of(name: str) -> tuple[str, ...]:
+def sidecars_of(name: str) -> tuple[str, ...]:
+    """The sidecars hpckpt may write beside the file `name` (as the converters registered them)."""
     return formats.known().sidecars_of(name)
-
 
 
 # -- what killed runs left --------------------------------------------------------------------
@@ -122,7 +123,8 @@ def _dead(pid: int) -> bool:
     return pid == os.getpid() or not _alive(pid)
 
 
-def _remove(path: Path) -> None:
+def remove_leftover(path: Path) -> None:
+    """A staging directory, a file or a link, gone (already gone is fine)."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
@@ -139,14 +141,14 @@ def remove_stale_staging(dest: Path, file_output: bool = False) -> None:
     stale = [(path, aside) for path, aside, pid in _leftovers_of(dest) if _dead(pid)]
     for path, aside in sorted(stale, key=lambda s: s[1]):  # staging first: its sidecars go before the old come back
         if aside:
-            _put_back(path, dest, file_output)
+            put_back(path, dest, file_output)
         elif file_output and path.is_dir():
-            _unplace_sidecars(path, dest)
+            unplace_sidecars(path, dest)
         if os.path.lexists(path):
-            _remove(path)
+            remove_leftover(path)
 
 
-def _unplace_sidecars(staging: Path, dest: Path) -> None:
+def unplace_sidecars(staging: Path, dest: Path) -> None:
     """The sidecars a run linked next to `dest` before it could rename the file in (its staging
     directory still holds the file): the same inode in both places."""
     if not (staging / dest.name).exists():
@@ -157,7 +159,7 @@ def _unplace_sidecars(staging: Path, dest: Path) -> None:
             placed.unlink()
 
 
-def _put_back(trash: Path, dest: Path, file_output: bool) -> None:
+def put_back(trash: Path, dest: Path, file_output: bool) -> None:
     """The old output, moved aside to `trash`, back in place when no new one took it."""
     if os.path.lexists(dest):
         return  # the new output is in place: the old one goes
@@ -179,7 +181,7 @@ def remove_stale_temporaries(directory: Path) -> None:
         except (FileNotFoundError, NotADirectoryError):
             continue
         for name in names:
-            match = _STAGING_NAME.match(name)
+            match = STAGING_NAME.match(name)
             if name.startswith(TMP_MARK) and match and match.group(2) and not match.group(1) \
                     and _dead(int(match.group(2))):
-                _remove(folder / name)
+                remove_leftover(folder / name)

@@ -48,8 +48,9 @@ def replace_file(path: Path, content: bytes | Callable[[BinaryIO], None], *, fsy
 
 def write_json(path: Path, document: Any, *, aside: Path | None = None, **dumps: Any) -> None:
     """`document` as JSON at `path`, replaced whole and not fsynced: the files through which
-    processes of one job talk (readers poll them, and a crash ends the job anyway)."""
-    replace_file(path, json.dumps(document, **dumps).encode(), fsync=False, aside=aside)
+    processes of one job talk (readers poll them, and a crash ends the job anyway). Created as
+    `open()` creates a file (the umask decides), as these files always were."""
+    replace_file(path, json.dumps(document, **dumps).encode(), fsync=False, aside=aside, mode=0o666)
 
 
 def read_json(path: Path) -> Any | None:

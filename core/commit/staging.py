@@ -9,7 +9,7 @@ directory: `fan_out.py`; a live save's ranks share `Staging(shared=True)`; a ran
    anything hpckpt does not recognise as a checkpoint or output of its own (or an empty
    directory), and a checkpoint directory holding entries that are neither its files nor
    hpckpt's (`_unaccounted`); missing parents unless `parents`.
-   It takes the destination's lock (`core.lock`: a second run stops at once; replacing an
+   It takes the destination's lock (`core.commit.lock`: a second run stops at once; replacing an
    existing destination, also an exclusive lock on it: a run reading it stops this one), removes what
    killed runs left for this destination (their pid is gone), checks the free space and creates
    `.NAME.hpckpt-tmp-PID/` next to `dest`.
@@ -18,7 +18,7 @@ directory: `fan_out.py`; a live save's ranks share `Staging(shared=True)`; a ran
 3. `commit()` fsyncs the staging directory and renames it onto `dest` (a directory), then fsyncs
    the parent directory. An existing destination replaced with `--force` is moved aside to
    `.NAME.hpckpt-tmp-old-PID` first and removed only after the rename. Signals wait until the
-   renames are done (`core.interrupts`).
+   renames are done (`core.commit.interrupts`).
 4. Leaving the `with` block without `commit()` (an error, Ctrl-C, SIGTERM) removes the staging
    directory, puts a destination moved aside back, and releases the lock.
 
@@ -45,9 +45,9 @@ import shutil
 from pathlib import Path
 
 from hpckpt.core.commit.destination import (
-    _refuse_existing_sidecars,
     ensure_parent,
     refuse_existing,
+    refuse_existing_sidecars,
     refuse_staging_name,
     refuse_unsafe,
 )
@@ -56,10 +56,10 @@ from hpckpt.core.commit.interrupts import critical
 from hpckpt.core.commit.leftovers import (
     DIST_MARK,
     TMP_MARK,
-    _put_back,
-    _remove,
-    _sidecars_of,
-    _unplace_sidecars,
+    put_back,
+    remove_leftover,
+    sidecars_of,
+    unplace_sidecars,
     remove_stale_staging,
 )
 from hpckpt.core.commit.lock import DestinationLock, ReplaceLock
@@ -101,12 +101,12 @@ class Staging:
         try:
             remove_stale_staging(self.dest, file_output)
             if shared and os.path.lexists(self.path):  # a live save that did not finish (we hold the lock)
-                _remove(self.path)
+                remove_leftover(self.path)
             refuse_existing(self.dest, force, file_output)  # an old output put back counts
             if os.path.lexists(self.dest):  # (`force`): no run may be reading it while it is replaced
                 self._replacing = ReplaceLock(self.dest)
             if file_output:
-                _refuse_existing_sidecars(self.dest, [], force)
+                refuse_existing_sidecars(self.dest, [], force)
             check_space(self.dest, needed)
             self.path.mkdir()
         except BaseException:
@@ -142,8 +142,8 @@ class Staging:
     def _commit_file(self) -> None:
         parent, name = self.dest.parent, self.dest.name
         sidecars = sorted(n for n in os.listdir(self.path) if n != name)
-        _refuse_existing_sidecars(self.dest, sidecars, self.force)
-        old = [n for n in dict.fromkeys((name, *_sidecars_of(name), *sidecars)) if os.path.lexists(parent / n)]
+        refuse_existing_sidecars(self.dest, sidecars, self.force)
+        old = [n for n in dict.fromkeys((name, *sidecars_of(name), *sidecars)) if os.path.lexists(parent / n)]
         if old:
             self.trash.mkdir()
             for n in old:  # the file first: a sidecar left without it belongs to nothing
@@ -156,20 +156,27 @@ class Staging:
     def _undo(self) -> None:
         """After a failure: no staged data, no sidecar of ours in place, the old output back."""
         if self.file_output and self.path.is_dir():
-            _unplace_sidecars(self.path, self.dest)
+            unplace_sidecars(self.path, self.dest)
         shutil.rmtree(self.path, ignore_errors=True)
         if os.path.lexists(self.trash):
-            _put_back(self.trash, self.dest, self.file_output)
+            put_back(self.trash, self.dest, self.file_output)
 
     def __enter__(self) -> "Staging":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the destination: the staged output removed unless committed, an old output
+        moved aside put back (or, after the commit, removed), the locks let go. What `with`
+        does at its end; a writer whose commit spans calls of another protocol (torch's
+        StorageWriter) calls it itself."""
         try:
             if not self._done:
                 self._undo()
             if os.path.lexists(self.trash):
-                _remove(self.trash)
+                remove_leftover(self.trash)
         finally:
             if self._replacing is not None:  # the old output is gone (or back in place)
                 self._replacing.release()

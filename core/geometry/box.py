@@ -14,8 +14,8 @@ from dataclasses import dataclass
 class Box:
     """A region of a tensor; pure ints so that plans are printable, comparable and hashable.
 
-    Treat as immutable (it is hashed). Not declared frozen because a frozen dataclass takes 2.5x
-    longer to build, and checkpoints have hundreds of thousands of chunks.
+    Treat as immutable (it is hashed). Not declared frozen because a frozen dataclass is slower
+    to build (docs/design-figures.md), and checkpoints have hundreds of thousands of chunks.
     """
 
     offsets: tuple[int, ...]

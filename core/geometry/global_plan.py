@@ -3,14 +3,14 @@
 Each rank of a job describes what it holds (`LocalPlan`: per tensor its dtype, global shape and
 the boxes of its local shards; per value the length and digest of its pickle). The plans are
 gathered (collectives or files, `hpckpt.dist`), and every rank turns the same list into the same
-`core.plan.Plan`, so no plan is ever broadcast. Replicated boxes (a box several ranks hold) are
+`core.geometry.plan.Plan`, so no plan is ever broadcast. Replicated boxes (a box several ranks hold) are
 stored once: by the least-loaded holder, largest first, exactly as the offline planner and
 HyperParallel's own de-dup place them (`dedup="balanced"`), by their lowest rank
 (`"lowest-rank"`), or by every holder (`"none"`). All boxes of the job are grouped with one sort
 (numpy, no object per box), so the cost is O(n log n) in the number of chunks.
 
 Nothing here knows torch or MindSpore: the plans are plain data, JSON in and out, and the result
-goes through the one HyperParallel writer, engine and commit (`core.write`).
+goes through the one HyperParallel writer, engine and commit (`core.io.write`).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class LocalPlan:
 
 @dataclass(frozen=True)
 class GlobalPlan:
-    """The job's plan as arrays (one row per stored box): `plan(ranks)` makes the `core.plan.Plan`
+    """The job's plan as arrays (one row per stored box): `plan(ranks)` makes the `core.geometry.plan.Plan`
     of the boxes some ranks store, `plan()` of all of them (what the metadata lists)."""
 
     world_size: int

@@ -6,7 +6,7 @@ byte-identical output, and what lets every writer (HyperParallel, PyTorch DCP, s
 lay out the same plan in its own files. It holds no file name, no metadata class, no pickle.
 
 Planning a tensor: its target layout is validated once; every rank's boxes come at once from
-`core.rank_boxes`; a box held by one rank is stored by it, a replicated box (several holders)
+`core.geometry.rank_boxes`; a box held by one rank is stored by it, a replicated box (several holders)
 by the least-loaded holder, largest boxes first, as HyperParallel's own de-dup does; each
 tensor's boxes are then listed rank-major (the order HyperParallel's metadata uses, `index` =
 position). The cost grows with tensors + target boxes, not with tensors x ranks.
@@ -31,7 +31,7 @@ from hpckpt.core.io.cast import CASTABLE
 
 
 class TargetLayouts(Protocol):
-    """What the planner needs of a target: each tensor's layout (`core.layout.LayoutSpec`)."""
+    """What the planner needs of a target: each tensor's layout (`core.geometry.layout.LayoutSpec`)."""
 
     def resolve(self, fqn: str, shape: tuple[int, ...]): ...
 

@@ -1,6 +1,6 @@
 """What each target rank of a plan writes and reads: the numbers `reshard --plan` prints.
 
-Reads are found for all of a tensor's boxes at once (`core.overlap`), so the figures for a plan
+Reads are found for all of a tensor's boxes at once (`core.geometry.overlap`), so the figures for a plan
 onto thousands of ranks cost one pass over the source chunks and the target boxes.
 """
 

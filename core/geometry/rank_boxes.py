@@ -37,7 +37,7 @@ class RankBoxes:
 
 
 def _split(length: np.ndarray, parts: int, index: np.ndarray, rule: str) -> tuple[np.ndarray, np.ndarray]:
-    """`core.layout.split` over arrays: (start, size) of part `index` of `length`."""
+    """`core.geometry.layout.split` over arrays: (start, size) of part `index` of `length`."""
     if rule == "balanced":
         q, r = np.divmod(length, parts)
         return index * q + np.minimum(index, r), q + (index < r)

@@ -1,6 +1,6 @@
 """Nothing lost silently: every entry of a write is written, skipped with its reason, or the run fails.
 
-Every writing command passes through `api.pipeline.write` and `core.write.write_plan`, and these
+Every writing command passes through `api.pipeline.write` and `core.io.write.write_plan`, and these
 checks run there, so no format and no command can bypass them:
 
 1. `check_plan` (pipeline): the plan holds every entry the command asked for (tensors and values);

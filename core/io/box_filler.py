@@ -97,9 +97,9 @@ def _runs(extents: tuple[Extent, ...], start: int, nbytes: int) -> list[tuple[in
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     """Write `data` at `offset` in pieces of at most `WRITE_PIECE` bytes ending on 64 KiB file
-    boundaries: on this project's VMs a buffered write of a MiB or more can cost 5-10x what the
-    same bytes cost in 64 KiB-aligned pieces (large page-cache pages from memory the host took
-    back), and aligned ends give the disk whole requests."""
+    boundaries: on this project's VMs a buffered write of a MiB or more can cost several times
+    what the same bytes cost in 64 KiB-aligned pieces (large page-cache pages from memory the
+    host took back; docs/design-figures.md), and aligned ends give the disk whole requests."""
     done = 0
     while done < len(data):
         at = offset + done
@@ -125,7 +125,7 @@ class BoxFiller:
         self._flushed = 0  # writeback has been started for the file's bytes before this offset
 
     def fill(self, placement: Placement, pieces: Pieces) -> str | None:
-        """Write the box; return its digest (`core.digest`), taken from the bytes as they are
+        """Write the box; return its digest (`core.io.digest`), taken from the bytes as they are
         written (tiles come in the box's C order), or None when not hashing."""
         tensor, box = placement.tensor, placement.box.box
         entry = self.index.tensors[tensor.fqn]

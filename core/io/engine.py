@@ -49,7 +49,7 @@ def default_jobs() -> int:
 
 def source_pieces(index: CheckpointIndex, placements: list[Placement]) -> dict[int, Pieces]:
     """For each placement (by `id`), the source chunks and regions that fill it, computed tensor
-    by tensor in one vectorised pass (`core.overlap`).
+    by tensor in one vectorised pass (`core.geometry.overlap`).
 
     Raises:
         GeometryError: the source does not cover a box.

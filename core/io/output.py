@@ -1,6 +1,6 @@
 """What a format writer hands the engine: every output file, its fixed bytes and where each box goes.
 
-A writer never moves a byte of tensor data. Given a frozen `core.plan.Plan` it returns an
+A writer never moves a byte of tensor data. Given a frozen `core.geometry.plan.Plan` it returns an
 `OutputLayout`: for each file its size, the bytes it already knows (headers, pickles, small
 records) at their offsets, and for each planned box the byte ranges (`Extent`s, in C order) its
 data goes to; ranges whose CRC-32 the format needs (zip records, a `.ckpt` trailer) are named too.

@@ -24,7 +24,7 @@ DEFAULT_READ_BUDGET = 64 * 1024 * 1024
 
 
 def open_data_file(path: Path, what: str = "data file") -> BinaryIO:
-    """Open a checkpoint's data file for reading (`core.input_files`): a missing or unreadable one
+    """Open a checkpoint's data file for reading (`core.safety.input_files`): a missing or unreadable one
     is a MissingFileError; a directory, FIFO or device where the file should be a CorruptDataError
     (`what` names what was expected)."""
     return input_files.open_file(path, what)

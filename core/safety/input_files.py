@@ -14,7 +14,7 @@ What is refused, and with which error (`core.errors`), decided by the file's rol
   opened `O_NONBLOCK`, so that even then nothing blocks).
 - A metadata, index or sidecar file larger than its limit (below), checked before a byte is
   read: `CorruptMetadataError` (exit 6; a safetensors header over its limit is `CorruptDataError`,
-  exit 9, in `core.safetensors_io`). A sparse 8 GiB `.metadata` is refused at once, not read.
+  exit 9, in `core.codecs.safetensors_io`). A sparse 8 GiB `.metadata` is refused at once, not read.
 - JSON nested deeper than `MAX_JSON_DEPTH` (a values sidecar: `MAX_SIDECAR_DEPTH`), found by a
   scan of the bytes before parsing (`json_depth`: C-speed passes, no recursion; the stdlib parser
   would recurse until `RecursionError`), and any other JSON error: the caller's

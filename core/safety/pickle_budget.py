@@ -5,7 +5,7 @@ numpy array of 3e9 elements, call `list(range(4_000_000))` twenty times over one
 copy one memoised string into a fresh bytearray ten thousand times, or build a list that holds
 the same list ten times, nine levels deep (10^9 leaves for whatever walks it), or nest containers
 deeper than any recursive code (`repr`, JSON conversion, flattening, re-pickling) can follow. The
-safe unpickler (`core.unpickle`) therefore checks these budgets:
+safe unpickler (`core.safety.unpickle`) therefore checks these budgets:
 
 - `alloc`: what the allow-listed constructors of one pickle may allocate, in all (containers
   built from an iterable, copies of bytes and strings, numpy arrays, scalars and array data):
@@ -20,8 +20,9 @@ safe unpickler (`core.unpickle`) therefore checks these budgets:
 Depth and object count are checked on values (`.bytes` pickles, torch.save archives, PyTorch
 DCP records) by `check_value`, one iterative walk whose memory is its depth; metadata pickles,
 which hold millions of objects, get cheap structural checks where they are read instead
-(`core.metadata`). What the C unpickler allocates by itself grows with the opcodes it reads,
-except what an opcode declares (a memo index, a length): `core.unpickle` scans for those.
+(`core.codecs.metadata_schema`). What the C unpickler allocates by itself grows with the opcodes
+it reads, except what an opcode declares (a memo index, a length): `core.safety.unpickle` scans for
+those.
 
 The defaults suit every real checkpoint seen; to raise one, set the environment variable
 `HPCKPT_PICKLE_BUDGET` to comma-separated `name=value` pairs, sizes with an optional K/M/G/T
@@ -117,7 +118,7 @@ def over_budget(what: str, amount: int, name: str, limit: int) -> UnsafePickleEr
 
 class Allocations:
     """What the allow-listed constructors of one pickle's load have allocated so far, and how
-    many numpy arrays they made (`core.unpickle` turns those back into plain arrays)."""
+    many numpy arrays they made (`core.safety.unpickle` turns those back into plain arrays)."""
 
     def __init__(self, limit: int):
         self.limit, self.used, self.arrays = limit, 0, 0

@@ -1,6 +1,6 @@
 """Rules files: read one TOML file and check its tables, the same way for every kind of rules.
 
-The layout rules (`--layout-rules`, `core.layout.rules`) and the name rules (`--name-rules`,
+The layout rules (`--layout-rules`, `core.geometry.layout.rules`) and the name rules (`--name-rules`,
 `converters.naming.rules`) are both small TOML files written by hand. Both are read here so they
 fail alike: a missing file raises `PathNotFoundError` (exit 3), anything else wrong with it the
 `RulesFileError` subclass the caller passes (exit 2), with the file named in the message.

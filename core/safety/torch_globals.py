@@ -1,7 +1,7 @@
 """What the globals a torch.save pickle names stand for, without torch: tensors rebuilt as
 `TensorRecord`s over the archive's storages, and the few other objects such records hold.
 
-This is the allow-list of `core.torch_zip`'s unpickler (on top of `core.unpickle.safe_global`):
+This is the allow-list of `core.codecs.torch_zip`'s unpickler (on top of `core.safety.unpickle.safe_global`):
 a global not in `RECORD_GLOBALS` is refused, never imported.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpckpt.core import dtypes
-from hpckpt.core.codecs.hyperparallel_metadata import check_ints, check_shape
+from hpckpt.core.codecs.metadata_schema import check_ints, check_shape
 from hpckpt.core.codecs.torch_records import BytesIOState, TensorRecord, span_elements
 from hpckpt.core.dtypes import DType
 from hpckpt.core.errors import CorruptDataError, CorruptMetadataError, UnknownFormatError, UnsafePickleError
@@ -126,7 +126,7 @@ def _bytes(*args: Any) -> bytes:
     return bytes(*args)
 
 
-# (an allow-list table like core/safety/unpickle.py's: these are the globals only torch.save records name)
+# (an allow-list table like core/safety/allow_list.py's: these are the globals only torch.save records name)
 RECORD_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,

@@ -9,7 +9,7 @@ tuple and torch dtypes become our `DType`.
 Allow-listed names can still be asked for too much (`range(10**12)`, a numpy array of 3e9
 elements, the same memoised string copied ten thousand times, containers nested too deep or
 shared to explode): every constructor here charges what it is about to allocate to the load's
-budget (`core.pickle_budget`), a pickle up to SCAN_BYTES is scanned for what its opcodes declare
+budget (`core.safety.pickle_budget`), a pickle up to SCAN_BYTES is scanned for what its opcodes declare
 (memo indices, lengths) before the C unpickler runs, and every value is walked once it is loaded.
 
 The table of allowed globals is `allow_list.py`, the opcode scan `pickle_scan.py`; the loading
@@ -143,7 +143,7 @@ class SafeUnpickler(pickle.Unpickler):
 
     `kind` is VALUE (a `.bytes` pickle, a torch.save archive, a DCP record: arbitrary objects,
     walked once by `pickle_budget.check_value` for depth and object count) or METADATA (millions
-    of objects of known classes: checked where they are read, see `core.metadata`).
+    of objects of known classes: checked where they are read, see `core.codecs.metadata_schema`).
     """
 
     def __init__(self, file: BinaryIO, *, resolver: Resolver = safe_global, kind: str = VALUE):
@@ -192,7 +192,7 @@ def loads(data: bytes, *, what: str, resolver: Resolver = safe_global, kind: str
 
     Raises:
         UnsafePickleError: the pickle names a global that is not allow-listed, or exceeds a
-            budget (`core.pickle_budget`).
+            budget (`core.safety.pickle_budget`).
         CorruptMetadataError: the bytes are not a complete pickle.
     """
     # A large metadata pickle creates millions of objects and no reference cycles; the cyclic

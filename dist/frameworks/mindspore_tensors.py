@@ -141,7 +141,7 @@ def tensor_of(array: np.ndarray, source: DType) -> Any:
 
 def _converted(array: np.ndarray, source: DType, target: DType) -> np.ndarray:
     """`array` (storage of `source`) as storage of `target`. Floating casts go through
-    `core.cast` (round to nearest even, as torch and the CLI do); other dtypes numpy can hold
+    `core.io.cast` (round to nearest even, as torch and the CLI do); other dtypes numpy can hold
     convert as numpy's `astype` does (what torch's `copy_` gives); the rest is refused.
 
     Raises:

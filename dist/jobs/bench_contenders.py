@@ -64,7 +64,7 @@ class TorchDCP:
     fsync = {"save": True, "async_save": True}  # FileSystemWriter(sync_files=True) by default
 
     def __init__(self, ctx, state: dict, nbytes: int):
-        import torch.distributed.checkpoint  # noqa: F401 - its ~3 s import outside every timed phase
+        import torch.distributed.checkpoint  # noqa: F401 - its slow import (docs/design-figures.md) outside every timed phase
 
         self.ctx, self.nbytes = ctx, nbytes
         self._meshes: dict = {}

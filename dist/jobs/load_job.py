@@ -2,7 +2,7 @@
 `--check`, prove every loaded box equal to an independent read of it.
 
 The check opens the checkpoint a second time and reads each box of this rank with the offline
-reader (`core.read.read_box`), a block of rows at a time, not through `load`'s planning,
+reader (`core.io.read.read_box`), a block of rows at a time, not through `load`'s planning,
 broadcasts or in-place fills, and compares raw bits; values are compared by type and value.
 """
 

@@ -17,7 +17,6 @@ shares wrote when one failed, and puts back an old destination it had moved asid
 
 from __future__ import annotations
 
-import heapq
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from hpckpt.core.commit.set_aside import SetAside
 from hpckpt.core.errors import HpckptError, ReshardOptionError, WorkerFailedError
+from hpckpt.core.geometry.assign import least_loaded
 
 COORDINATOR = 0
 
@@ -40,12 +40,11 @@ def assign_shares(rank_bytes: Sequence[int], workers: int) -> list[tuple[int, ..
     if workers < 1:
         raise ValueError("at least one worker")
     shares: list[list[int]] = [[] for _ in range(workers)]
-    loads = [(0, 0, worker) for worker in range(workers)]  # (bytes, ranks, worker)
-    heapq.heapify(loads)
-    for rank in sorted(range(len(rank_bytes)), key=lambda r: (-rank_bytes[r], r)):
-        load, count, worker = heapq.heappop(loads)
+    order = sorted(range(len(rank_bytes)), key=lambda r: (-rank_bytes[r], r))
+    everyone = range(workers)
+    chosen = least_loaded([0] * workers, ((everyone, rank_bytes[r]) for r in order), counts=[0] * workers)
+    for rank, worker in zip(order, chosen):
         shares[worker].append(rank)
-        heapq.heappush(loads, (load + rank_bytes[rank], count + 1, worker))
     return [tuple(sorted(share)) for share in shares]
 
 

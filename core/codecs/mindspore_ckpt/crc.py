@@ -4,8 +4,8 @@ MindSpore (`_exec_save`, `_parse_ckpt_proto`): the CRC-32 (`binascii.crc32`, sta
 function as `zlib.crc32`) of every serialized one-Value `Checkpoint`, in file order, i.e. of every
 byte before the 17-byte trailer `b"crc_num"` + the CRC as 10 bytes big-endian.
 
-The file is streamed in `core.checksums.CRC_BLOCK_BYTES` blocks (one buffer, whatever the file's size): about
-0.5 s per GiB from the page cache here, `zlib.crc32` being most of it.
+The file is streamed in `core.io.checksums.CRC_BLOCK_BYTES` blocks (one buffer, whatever the
+file's size), `zlib.crc32` being most of the time it takes (docs/design-figures.md).
 """
 
 from __future__ import annotations

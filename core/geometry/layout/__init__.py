@@ -11,7 +11,7 @@ per mesh dim, PyTorch DTensor style:
   the outermost split.
 * `Replicate()`: every rank along that mesh dim holds the same data.
 * `RaggedShard(dims, local_units)`: HyperParallel's non-uniform flat sharding; each rank holds a
-  flat row-major interval, recorded as the minimal ordered sequence of N-D boxes (spec 5.4).
+  flat row-major interval, recorded as the minimal ordered sequence of N-D boxes (`ragged.py`).
 
 Empty boxes (size 0 on some dim) are returned like any other, because HyperParallel records
 them as chunks. Converters read MindSpore/HyperParallel `tensor_map`s and `.layout` JSON files,

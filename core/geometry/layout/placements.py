@@ -83,7 +83,7 @@ class Replicate:
 
 @dataclass(frozen=True)
 class RaggedShard:
-    """HyperParallel's flat, non-uniform sharding over one mesh dim (spec 5.4).
+    """HyperParallel's flat, non-uniform sharding over one mesh dim (its boxes: `ragged.py`).
 
     `dims` is the prefix `(0, ..., p-1)` of tensor dims viewed as cells; rank `j` on the mesh dim
     gets `local_units[j]` units of `prod(shape[:p]) / sum(local_units)` cells each, in order.

@@ -1,6 +1,6 @@
 """RaggedShard geometry: a rank's flat row-major interval, and the N-D boxes that cover it.
 
-HyperParallel's RaggedShard (spec 5.4) gives each rank a flat interval of the tensor and records
+HyperParallel's RaggedShard gives each rank a flat interval of the tensor and records
 it as the minimal ordered sequence of N-D boxes; `decompose_flat_interval` cuts them the same way,
 so the boxes match its metadata exactly.
 """

@@ -1,7 +1,7 @@
 """Layout rules files (`--layout-rules`): the target placements of each tensor, chosen by its FQN.
 
 A TOML file with a `mesh`, a default `split` rule, `default` placements and `[[rule]]` tables
-tried in order (see `RULES_FILE_EXAMPLE`). `core.rules_file` reads it; every mistake in it raises
+tried in order (see `RULES_FILE_EXAMPLE`). `core.safety.rules_file` reads it; every mistake in it raises
 `LayoutRuleError` (a usage error, exit 2) naming the file and rule, and a file that does not exist
 raises `PathNotFoundError` (exit 3).
 """
