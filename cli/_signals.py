@@ -4,9 +4,9 @@ Installed first thing when the `hpckpt` process starts (`install_early`, before 
 `cli.app`): until a command runs nothing has been written, so a signal prints its line and exits
 at once, also in the middle of an import. While a command runs (`raising`) a signal raises
 `InterruptedRunError` in the main thread instead, so that the `with` blocks owning staging data
-remove it (`core.commit.Staging`; the engine's workers stop first); the signals after it are ignored while
+remove it (`core.commit.staging.Staging`; the engine's workers stop first); the signals after it are ignored while
 that cleanup runs, and one arriving while an output is renamed into place waits for the renames
-(`core.interrupts`). A signal the parent ignores (`nohup`, a background job) stays ignored.
+(`core.commit.interrupts`). A signal the parent ignores (`nohup`, a background job) stays ignored.
 """
 
 from __future__ import annotations

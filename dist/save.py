@@ -3,7 +3,7 @@
 1. Each rank describes what it holds (`LocalPlan`) and checks that each value can be read back by
    hpckpt's safe unpickler, before any byte is written.
 2. The coordinator takes the destination's lock and creates the staging directory every rank
-   shares (`.NAME.hpckpt-tmp-dist`, `core.commit.Staging`), removing what a killed save left.
+   shares (`.NAME.hpckpt-tmp-dist`, `core.commit.staging.Staging`), removing what a killed save left.
 3. The local plans are gathered (`coordination`), and every rank builds the same global plan
    (`core.geometry.global_plan`), or takes it from the plan cache when every rank's part is unchanged.
 4. Each rank writes the files of the boxes it stores through the HyperParallel writer and the

@@ -17,7 +17,7 @@ reader takes only the part it needs:
 - then one line per data file: `{"file": name, "boxes": [[fqn, offsets, sizes, [[at, nbytes],
   ...], digest], ...]}`: every stored box, where its bytes are in the file and their digest.
 
-Digests are XXH3-128 (`core.digest`, which also defines a file's digest). Neither HyperParallel's
+Digests are XXH3-128 (`core.io.digest`, which also defines a file's digest). Neither HyperParallel's
 loader nor PyTorch's reads the file; both ignore it (tested).
 """
 

@@ -1,5 +1,6 @@
-"""Replica de-dup's one rule: a box several ranks hold is stored (or read) by the least-loaded of
-them, largest boxes first, as HyperParallel's own de-dup does.
+"""The one balanced assignment: largest first, each piece of work to the least-loaded of the ranks
+that may take it. Replica de-dup is its main use: a box several ranks hold is stored (or read) by
+the least-loaded of them, as HyperParallel's own de-dup does.
 
 The offline planner (`plan.py`), the live save's global plan (`global_plan.py`), the live load's
 choice of a reader (`hpckpt.dist.load`) and `hpckpt run reshard`'s shares of target ranks per

@@ -43,7 +43,7 @@ class WriteSettings:
     force: bool = False
     progress: Progress | None = None
     parents: bool = False  # create missing parent directories of the destination (`--parents`)
-    manifest: bool = True  # hash while writing and add the manifest (`core.manifest`); off only to measure its cost
+    manifest: bool = True  # hash while writing and add the manifest (`core.commit.manifest`); off only to measure its cost
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def write_plan(plan: Plan, source: CheckpointIndex, writer, dest: Path, settings
     `fan_out`: only the plan's producing ranks are written, straight into the shared `dest`
     (`core.commit.fan_out.Fragment`); `hpckpt reshard --finalize` writes the metadata later.
     `read_back` (the format's reader) reads the staged output's metadata before it is committed,
-    to prove it holds every entry that was not reported skipped (`core.accounting`).
+    to prove it holds every entry that was not reported skipped (`core.io.accounting`).
     `source_path` is where `source` was read from: `dest` may not overlap it (`core.commit`).
     `fields`: what the manifest records besides the digests (none: no manifest is written).
 
