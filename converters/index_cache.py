@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 from pathlib import Path
 from typing import Callable
 
@@ -87,7 +88,8 @@ def store(index: CheckpointIndex) -> None:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         data = _MAGIC + json.dumps(_encode(index), separators=(",", ":")).encode()
-        replace_file(path, data, fsync=False, mode=0o600)  # a cache: rebuilt if lost
+        # a cache: rebuilt if lost; a random name, as the cache may be shared by processes of the same pid
+        replace_file(path, data, fsync=False, aside=path.with_name(f".tmp-{secrets.token_hex(8)}"), mode=0o600)
     except OSError:
         pass
 

@@ -35,8 +35,6 @@ from hpckpt.core.errors import (
 )
 
 
-
-
 def _identity(path: Path) -> list[int]:
     """What `finalize` compares to tell that a file is the one its job wrote."""
     st = os.stat(path)
