@@ -210,12 +210,7 @@ def plan_save(request: SaveRequest) -> PlannedSave:
         return _plan_rank_local(request)
     resources = ExitStack()
     try:
-        for _attempt in range(3):
-            try:
-                return _plan_together(request, resources, save_id)
-            except Restarted:
-                continue
-        raise SaveError("storage coordination: the coordinator restarted the save three times")
+        return _plan_with_restarts(request, resources, save_id)
     except BaseException:
         resources.close()
         raise
@@ -223,10 +218,14 @@ def plan_save(request: SaveRequest) -> PlannedSave:
 
 def plan_again(planned: PlannedSave) -> PlannedSave:
     """After the coordinator restarted a save this rank had joined: the same save, planned anew."""
+    return _plan_with_restarts(planned.request, planned.resources, planned.save_id)
+
+
+def _plan_with_restarts(request: SaveRequest, resources: ExitStack, save_id: str) -> PlannedSave:
     for _attempt in range(3):
         try:
-            return _plan_together(planned.request, planned.resources, planned.save_id)
-        except Restarted:
+            return _plan_together(request, resources, save_id)
+        except Restarted:  # the coordinator began the save anew: join the new attempt
             continue
     raise SaveError("storage coordination: the coordinator restarted the save three times")
 

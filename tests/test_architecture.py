@@ -191,3 +191,19 @@ def test_no_import_cycles(module_level_only):
 def test_cycle_finder_finds_a_cycle():
     assert _cycles({"hpckpt.core.errors": {"hpckpt.core.dtypes"}, "hpckpt.core.dtypes": {"hpckpt.core.errors"}}) \
         == [["hpckpt.core.dtypes", "hpckpt.core.errors"]]
+
+
+def test_the_commit_room_refuses_to_guess_without_the_formats(tmp_path):
+    """core/commit asks the converters' registration what a directory holds; asked before
+    `hpckpt.converters` is imported, it says so instead of answering wrongly."""
+    import subprocess
+    import sys
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("x")
+    code = ("import sys; from pathlib import Path; from hpckpt.core.commit.destination import refuse_existing\n"
+            "try:\n    refuse_existing(Path(sys.argv[1]), True)\n"
+            "except RuntimeError as exc:\n    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout.strip() == "hpckpt.core.commit needs the formats: import hpckpt.converters first", done
