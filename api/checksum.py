@@ -27,6 +27,9 @@ from hpckpt.core.io import digest
 from hpckpt.core.paths import resolve_inside
 from hpckpt.core.safety import input_files
 from hpckpt.core.safety.validate import Finding, exit_code, validate
+from hpckpt.core.storage.object_path import is_object
+from hpckpt.core.storage.readers import close_handle
+from hpckpt.core.storage.urls import lexists
 
 LISTED_FORMATS = ("hyperparallel", "torch-dcp")  # their manifest carries the listing `inspect` reads
 
@@ -43,7 +46,7 @@ def checksum(path: str | Path, *, force: bool = False, jobs: int | None = None, 
     with reading(ckpt):
         index = open_index(path)
         sidecar = manifest.path_of(ckpt)
-        existed = os.path.lexists(sidecar)
+        existed = lexists(sidecar)
         if existed and not force:
             raise DestinationExistsError(f"{sidecar} exists", hint="pass --force to replace it (`hpckpt verify --deep` "
                                          "checks the checkpoint against it first)")
@@ -52,7 +55,7 @@ def checksum(path: str | Path, *, force: bool = False, jobs: int | None = None, 
         names = list(index.data_files)
         sizes = {}
         for name in names:
-            sizes[name] = os.stat(resolve_inside(index.root, name)).st_size
+            sizes[name] = resolve_inside(index.root, name).stat().st_size
         if progress is not None:
             progress.start(sum(sizes.values()))
         counted = _Progress(progress)
@@ -92,18 +95,21 @@ def _refuse_errors(index) -> None:
 
 
 def _hash_file(root: Path, name: str, size: int, boxes: list, progress: _Progress) -> manifest.FileDigest:
-    fd = input_files.open_fd(resolve_inside(root, name))
+    fd = input_files.open_handle(resolve_inside(root, name))
     try:
         got = digest.scan_file(fd, size, [b.extents for b in boxes], progress)
     except digest.ScanError as exc:
         raise CorruptDataError(f"{name}: {exc}", hint="was it changed while it was read?") from None
     finally:
-        os.close(fd)
+        close_handle(fd)
     return manifest.FileDigest(name, got.size, got.digest, tuple(
         manifest.BoxDigest(b.fqn, b.offsets, b.sizes, b.extents, d) for b, d in zip(boxes, got.boxes)))
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
     """Temporary file in the same directory, fsynced, renamed over `path`, directory fsynced:
-    a reader sees the old manifest or the whole new one."""
+    a reader sees the old manifest or the whole new one (an object's PUT is as whole)."""
+    if is_object(path):
+        path.store.put(path.key, data)
+        return
     replace_file(path, data, fsync=True, fsync_dir=True, aside=path.with_name(f".{path.name}.tmp-{os.getpid()}"))

@@ -29,6 +29,7 @@ from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.io.accounting import check_plan, check_source_chunks
 from hpckpt.core.io.write import ManifestFields, WriteSettings, write_plan
 from hpckpt.core.safety.validate import refuse_interrupted
+from hpckpt.core.storage.urls import as_path
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def manifest_fields(src: str | Path, source: CheckpointIndex, target: Target) ->
     """What the output's manifest records besides its digests: its format and layout, the
     source's identity, and the listing of the output (`converters.index_cache.snapshot`)."""
     return ManifestFields(target.format.name, _layout_record(target),
-                          manifest.source_identity(Path(src), source.format, source.metadata_files),
+                          manifest.source_identity(as_path(src), source.format, source.metadata_files),
                           index_cache.snapshot)
 
 
@@ -121,7 +122,7 @@ def _source_root(src: str | Path, source: CheckpointIndex | None = None) -> Path
     directory checkpoint given as the source (`DIR/.metadata` as `converters.open_index` reads it,
     `DIR/model.safetensors.index.json`, `DIR/pytorch_model.bin.index.json`: one of its metadata
     files), since writing over a shard next to it would change the checkpoint being read."""
-    path = Path(src)
+    path = as_path(src)
     if not path.is_file():
         return path
     if path.name.endswith("metadata"):
@@ -144,7 +145,7 @@ def write(command: str, src: str | Path, dst: str | Path, source: CheckpointInde
     `dropped` are `(name, reason)` of entries the command decided not to write (a name rule's
     drop), reported as skipped with the rest."""
     started = time.perf_counter() if started is None else started
-    dst = Path(dst)
+    dst = as_path(dst)
     refuse_interrupted(source)
     names, refused = _refuse_or_skip(source, target, names)
     fit_warnings = () if target.format.whole_tensors else check_fit(target.layout, source, names)

@@ -42,6 +42,8 @@ from hpckpt.core.io.read import OpenFiles, read_region
 from hpckpt.core.paths import resolve_inside
 from hpckpt.core.safety import input_files
 from hpckpt.core.safety.validate import Finding, validate
+from hpckpt.core.storage.readers import close_handle, handle_size
+from hpckpt.core.storage.urls import as_path
 
 
 READ_BLOCK = 8 * 1024 * 1024  # bytes of one chunk read (and of the NaN count's temporaries)
@@ -70,7 +72,7 @@ def verify(path: str | Path, strict: bool = False, *, deep: bool = False, nan: b
 
 def checkpoint_path(path: str | Path) -> Path:
     """The checkpoint a command line names: `DIR/.metadata` means DIR (as `open_index` takes it)."""
-    path = Path(path)
+    path = as_path(path)
     return path.parent if path.is_file() and path.name.endswith("metadata") else path
 
 
@@ -255,11 +257,11 @@ def _scan(root: Path, line: manifest.FileDigest, progress: _Progress) -> tuple[l
     name = line.name
     try:
         path = resolve_inside(root, name)
-        fd = input_files.open_fd(path)
+        fd = input_files.open_handle(path)
     except HpckptError as exc:
         return [Finding(exc.kind, "error", exc.message, file=name)], 0
     try:
-        size = os.fstat(fd).st_size
+        size = handle_size(fd)
         if size != line.size:
             what = "truncated" if size < line.size else "appended to"
             return [Finding("corrupt-data", "error", f"{name}: {size} bytes, the manifest records {line.size} "
@@ -271,7 +273,7 @@ def _scan(root: Path, line: manifest.FileDigest, progress: _Progress) -> tuple[l
         except OSError as exc:
             return [Finding("corrupt-data", "error", f"{name}: cannot be read ({exc.strerror})", file=name)], 0
     finally:
-        os.close(fd)
+        close_handle(fd)
     out = []
     differing = [b for b, d in zip(line.boxes, got.boxes) if b.digest != d]
     for box in differing[:MAX_LISTED]:

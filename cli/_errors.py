@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import functools
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import typer
@@ -64,6 +65,35 @@ def check_settings() -> None:
         metadata_limit()
 
 
+class UrlText(type(Path())):
+    """A URL given where a path is taken (`location`), kept whole in `url`: a `Path` subclass only
+    so that typer passes it through; `handles_errors` connects it to its store inside the command,
+    where a missing extra or an unknown scheme is reported like any other error."""
+
+    url = ""
+
+
+def location(text: str) -> Path:
+    """typer's parser for checkpoint paths: a plain `Path` would fold `s3://b/k` into `s3:/b/k`."""
+    from hpckpt.core.storage.urls import is_url
+
+    if not is_url(text):
+        return Path(text)
+    path = UrlText(text)
+    path.url = text
+    return path
+
+
+def _located(value: Any) -> Any:
+    if isinstance(value, UrlText):
+        from hpckpt.core.storage.urls import locate
+
+        return locate(value.url)
+    if isinstance(value, list) and any(isinstance(v, UrlText) for v in value):
+        return [_located(v) for v in value]
+    return value
+
+
 def handles_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a command so every failure exits with its documented code and one clear line."""
 
@@ -71,6 +101,7 @@ def handles_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             check_settings()
+            kwargs = {name: _located(value) for name, value in kwargs.items()}
             return command(*args, **kwargs)
         except (typer.Exit, typer.Abort, typer.TyperException):
             raise  # typer's own: exits, aborts and usage errors (exit 2)

@@ -15,6 +15,8 @@ from typing import Annotated, List, Literal, Optional
 
 import typer
 
+from hpckpt.cli._errors import location
+
 # Every name and alias of a format hpckpt writes (`hpckpt.converters.FORMATS`; a test checks that
 # the two agree). Spelled out here: importing the registry would load every adapter at start-up.
 WRITABLE_FORMATS = ("hyperparallel", "hp", "torch-dcp", "hf-sharded", "hf", "mindspore-ckpt", "ms", "ckpt",
@@ -83,7 +85,7 @@ SkipUnsupported = Annotated[bool, typer.Option(
 Framework = Annotated[Optional[FrameworkName], typer.Option(
     "--framework", help="dtype strings as torch or mindspore writes them (default: the source's).")]
 
-Source = Annotated[Path, typer.Argument(help="Source checkpoint (any format hpckpt reads).")]
+Source = Annotated[Path, typer.Argument(help="Source checkpoint (any format hpckpt reads; a path or an s3:// URL).", parser=location)]
 
 WorldSize = Annotated[Optional[int], typer.Option(
     "--world-size", "-w", min=1, help="FSDP-style target: dim 0 split over N ranks.")]

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from hpckpt.cli._errors import handles_errors
+from hpckpt.cli._errors import handles_errors, location
 from hpckpt.cli._option_groups import expand_options
 
 EXAMPLES = """Examples:
@@ -21,7 +21,7 @@ EXAMPLES = """Examples:
 @handles_errors
 @expand_options
 def checksum(
-    path: Path = typer.Argument(..., help="Checkpoint directory or file (any format hpckpt reads)."),
+    path: Path = typer.Argument(..., parser=location, help="Checkpoint directory or file (any format hpckpt reads)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing manifest."),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Threads reading (default: cores, at most 8)."),
 ) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from hpckpt.cli import _options as opt
-from hpckpt.cli._errors import handles_errors
+from hpckpt.cli._errors import handles_errors, location
 from hpckpt.cli._option_groups import ParallelWrite, Select, expand_options
 
 EXAMPLES = """Examples:
@@ -24,7 +24,7 @@ EXAMPLES = """Examples:
 @expand_options
 def consolidate(
     src: opt.Source,
-    out: Annotated[Path, typer.Option("--output", "-o", help="Output file (safetensors, pt, ms) or directory (hf, hp, torch-dcp).")],
+    out: Annotated[Path, typer.Option("--output", "-o", parser=location, help="Output file (safetensors, pt, ms) or directory (hf, hp, torch-dcp).")],
     fmt: Annotated[Optional[opt.FormatName], typer.Option(
         "--format", "-f", help="Any format hpckpt writes (default: from -o's extension, else safetensors).")] = None,
     select: Select = Select(),

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from hpckpt.cli import _options as opt
-from hpckpt.cli._errors import handles_errors
+from hpckpt.cli._errors import handles_errors, location
 from hpckpt.cli._option_groups import ParallelWrite, RenamedSelect, expand_options
 
 EXAMPLES = """Examples:
@@ -81,8 +81,8 @@ def run(src, out, to, *, layout, framework, dtype, select, rules, max_shard_size
 @handles_errors
 @expand_options
 def convert(
-    src: Annotated[Path, typer.Argument(help="Source checkpoint: any format hpckpt reads, .ckpt and torch.save files too.")],
-    out: Annotated[Path, typer.Option("--output", "-o", help="Output file (pt, ms, safetensors) or directory (hf, hp, torch-dcp).")],
+    src: Annotated[Path, typer.Argument(parser=location, help="Source checkpoint: any format hpckpt reads, .ckpt and torch.save files too.")],
+    out: Annotated[Path, typer.Option("--output", "-o", parser=location, help="Output file (pt, ms, safetensors) or directory (hf, hp, torch-dcp).")],
     to: Annotated[Optional[opt.FormatName], typer.Option(
         "--to", "-t", help="Any format hpckpt writes (default: from -o's extension).")] = None,
     world_size: Annotated[Optional[int], typer.Option("--world-size", "-w", min=1, help=_LAYOUT_HELP)] = None,

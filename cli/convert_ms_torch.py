@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from hpckpt.cli import _options as opt
-from hpckpt.cli._errors import handles_errors
+from hpckpt.cli._errors import handles_errors, location
 from hpckpt.cli._option_groups import RenamedSelect, Write, expand_options
 
 EXAMPLES = """Examples:
@@ -24,8 +24,8 @@ EXAMPLES = """Examples:
 @handles_errors
 @expand_options
 def convert_ms_torch(
-    src: Annotated[Path, typer.Argument(help="A MindSpore or PyTorch checkpoint (.ckpt, .pt, safetensors, DCP).")],
-    out: Annotated[Path, typer.Option("--output", "-o", help="Output file or directory; a file's extension picks the container.")],
+    src: Annotated[Path, typer.Argument(parser=location, help="A MindSpore or PyTorch checkpoint (.ckpt, .pt, safetensors, DCP).")],
+    out: Annotated[Path, typer.Option("--output", "-o", parser=location, help="Output file or directory; a file's extension picks the container.")],
     to: Annotated[Optional[opt.FrameworkName], typer.Option("--to", help="The framework to convert to (default: the other side of the source).")] = None,
     to_format: Annotated[Optional[opt.FormatName], typer.Option("--to-format", help="Container (default: the source's kind, or -o's extension).")] = None,
     name_rules: Annotated[Optional[Path], typer.Option("--name-rules", help="TOML rules (docs/name-rules.md); the preset applies after them.")] = None,

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from hpckpt.cli import _options as opt
-from hpckpt.cli._errors import handles_errors
+from hpckpt.cli._errors import handles_errors, location
 from hpckpt.cli._option_groups import Select, expand_options
 
 EXAMPLES = """Examples:
@@ -25,8 +25,8 @@ DIFFER = 25  # exit code: the checkpoints differ (beyond the tolerances)
 @handles_errors
 @expand_options
 def diff(
-    a: Annotated[Path, typer.Argument(help="First checkpoint (any format hpckpt reads).")],
-    b: Annotated[Path, typer.Argument(help="Second checkpoint (any format hpckpt reads).")],
+    a: Annotated[Path, typer.Argument(parser=location, help="First checkpoint (any format hpckpt reads).")],
+    b: Annotated[Path, typer.Argument(parser=location, help="Second checkpoint (any format hpckpt reads).")],
     names: Annotated[Optional[str], typer.Option(
         "--names", help="Rename A's entries to B's first: a preset (ms-to-torch, torch-to-ms, torch-to-ms-adamw) "
                         "or a TOML rules file.")] = None,

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from hpckpt.cli._errors import handles_errors
+from hpckpt.cli._errors import handles_errors, location
 from hpckpt.cli._option_groups import expand_options
 
 EXAMPLES = """Examples:
@@ -22,7 +22,7 @@ EXAMPLES = """Examples:
 @handles_errors
 @expand_options
 def inspect(
-    path: Path = typer.Argument(..., help="Checkpoint directory or file (format is detected)."),
+    path: Path = typer.Argument(..., parser=location, help="Checkpoint directory or file (format is detected)."),
     include: Optional[List[str]] = typer.Option(None, "--include", "-i", metavar="GLOB", help="Only entries whose name matches (repeatable)."),
     exclude: Optional[List[str]] = typer.Option(None, "--exclude", "-x", metavar="GLOB", help="Leave out entries whose name matches (repeatable)."),
     shards: Optional[List[str]] = typer.Option(None, "--shards", "-s", metavar="GLOB", help="Show the chunk boxes of matching tensors per rank and file."),

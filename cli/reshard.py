@@ -8,7 +8,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from hpckpt.cli import _options as opt
-from hpckpt.cli._errors import handles_errors
+from hpckpt.cli._errors import handles_errors, location
 from hpckpt.cli._option_groups import ParallelWrite, Select, TargetLayout, expand_options
 
 EXAMPLES = """Examples:
@@ -28,8 +28,8 @@ EXAMPLES = """Examples:
 @expand_options
 def reshard(
     src: Annotated[Optional[Path], typer.Argument(
-        help="Source checkpoint (any format hpckpt reads); with --finalize, the destination.")] = None,
-    out: Annotated[Optional[Path], typer.Option("--output", "-o", help="Destination directory (HyperParallel DCP).")] = None,
+        parser=location, help="Source checkpoint (any format hpckpt reads); with --finalize, the destination.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--output", "-o", parser=location, help="Destination directory (HyperParallel DCP).")] = None,
     layout: TargetLayout = TargetLayout(),
     rank: Annotated[Optional[List[str]], typer.Option(
         "--rank", "-r", metavar="R", help="Write only these target ranks (e.g. 3, 0-7); repeatable.")] = None,

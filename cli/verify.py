@@ -7,14 +7,14 @@ from typing import Optional
 
 import typer
 
-from hpckpt.cli._errors import handles_errors
+from hpckpt.cli._errors import handles_errors, location
 from hpckpt.cli._option_groups import expand_options
 
 
 @handles_errors
 @expand_options
 def verify(
-    path: Path = typer.Argument(..., help="Checkpoint directory or file (format is detected)."),
+    path: Path = typer.Argument(..., parser=location, help="Checkpoint directory or file (format is detected)."),
     strict: bool = typer.Option(False, "--strict", help="Treat warnings (e.g. leftover plan files) as errors."),
     deep: bool = typer.Option(False, "--deep", help="Read every byte: against the manifest's digests when there "
                               "is one, else every chunk through its format's reader."),

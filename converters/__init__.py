@@ -29,6 +29,7 @@ from hpckpt.core.errors import (
 )
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.safety.pickle_scan import SNIFF_BYTES, pickle_globals, sniff_head
+from hpckpt.core.storage.urls import as_path
 
 _HP_READER = HyperParallelReader()
 
@@ -75,7 +76,7 @@ def format_named(name: str) -> Format:
 
 def format_for_extension(path: Path | str) -> Format | None:
     """The single-file format a destination's extension names (`.pt`, `.ckpt`, `.safetensors`)."""
-    suffix = Path(path).suffix.lower()
+    suffix = as_path(path).suffix.lower()
     return next((f for f in FORMATS if suffix in f.extensions), None)
 
 
@@ -146,7 +147,7 @@ def open_index(path: Path | str, *, use_cache: bool = False) -> CheckpointIndex:
     `use_cache` lets a large HyperParallel index come from its snapshot (converters.index_cache);
     commands that must see the real metadata (verify, anything that writes) leave it off.
     """
-    path = Path(path)
+    path = as_path(path)
     if path.is_file() and path.name.endswith("metadata"):
         path = path.parent  # `hpckpt inspect ckpt/.metadata` means the checkpoint directory
     fmt = detect(path)

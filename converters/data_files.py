@@ -7,7 +7,6 @@ are parsed once per file, on first use.
 
 from __future__ import annotations
 
-import os
 import threading
 import zlib
 from collections.abc import Iterable
@@ -28,6 +27,7 @@ from hpckpt.core.io.read import open_data_file, pread_exact
 from hpckpt.core.paths import resolve_inside
 from hpckpt.core.safety import input_files
 from hpckpt.core.safety.unpickle import loads
+from hpckpt.core.storage.readers import close_handle, handle_of, handle_size
 
 ZIP_MAGIC = b"PK\x03\x04"
 
@@ -104,7 +104,7 @@ class DataFileLocator:
             replicas = self._replicas.get(relative)
             if not replicas:
                 return []
-            size = os.stat(path).st_size
+            size = path.stat().st_size
             return [f"value {v.fqn!r} (this rank's copy) needs bytes [{v.offset}, {v.offset + v.length}) of this "
                     f"{size}-byte file: truncated?" for v in replicas if v.offset + v.length > size]
         with open_data_file(path) as f:
@@ -140,9 +140,9 @@ class DataFileLocator:
         path = self.path(entry.file)
         if not path.exists():
             raise MissingFileError(f"{entry.file}: data file is missing (holds value {entry.fqn})")
-        fd = input_files.open_fd(path)
+        fd = input_files.open_handle(path)
         try:
-            size = os.fstat(fd).st_size
+            size = handle_size(fd)
             length = size - entry.offset if entry.length < 0 else entry.length
             if entry.offset < 0 or entry.offset + length > size:
                 raise CorruptDataError(
@@ -151,7 +151,7 @@ class DataFileLocator:
                 )
             return bytes(pread_exact(fd, length, entry.offset, path))
         finally:
-            os.close(fd)
+            close_handle(fd)
 
     def decode_value(self, entry: ValueEntry) -> Any:
         if entry.encoding == "json":  # a safetensors output's values sidecar (converters.values_sidecar)
@@ -198,7 +198,7 @@ def check_mindspore_crc(header: safetensors_io.SafetensorsHeader) -> None:
         for key in sorted(header.entries):
             info = header.entries[key]
             crc = zlib.crc32(key.encode("utf-8"), crc)
-            crc = checksums.crc_of_range(f.fileno(), info.begin, info.end - info.begin, header.path, crc)
+            crc = checksums.crc_of_range(handle_of(f), info.begin, info.end - info.begin, header.path, crc)
     if crc != expected:
         raise CorruptDataError(f"{header.path}: CRC-32 mismatch: __metadata__ crc_num says {expected}, the tensors "
                                f"hash to {crc}", hint="the file is damaged (MindSpore's load_checkpoint(crc_check=True) "

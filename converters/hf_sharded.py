@@ -12,7 +12,6 @@ named `model-0000i-of-0000n.safetensors`; then the index and the values' `values
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,13 +25,14 @@ from hpckpt.core.geometry.plan import Plan
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.io.output import Finished, OutputLayout
 from hpckpt.core.safety import input_files
+from hpckpt.core.storage.urls import lexists
 
 INDEX_NAME = "model.safetensors.index.json"
 SIDECAR_NAME = "values.json"  # hpckpt's values beside the shards (converters.values_sidecar)
 
 
 def _index_path(path: Path) -> Path | None:
-    if path.is_dir() and os.path.lexists(path / INDEX_NAME):  # a FIFO or directory: refused when read
+    if path.is_dir() and lexists(path / INDEX_NAME):  # a FIFO or directory: refused when read
         return path / INDEX_NAME
     if path.is_file() and path.name.endswith(".safetensors.index.json"):
         return path

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +39,7 @@ from hpckpt.core.commit import manifest
 from hpckpt.core.errors import HpckptError
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.safety.input_files import load_json, read_small
+from hpckpt.core.storage.urls import lexists
 
 NAME = ".hpckpt.json"
 RECORDED = ("hyperparallel", "torch-dcp")  # the formats whose world size file names cannot tell
@@ -99,7 +99,7 @@ def _disagreement(doc: dict, index: CheckpointIndex, inferred: int | None) -> st
         return f"it names metadata files {sorted(named)}, the checkpoint has {sorted(present)}"
     for name, info in doc["metadata"].items():
         try:
-            size = os.stat(index.root / name).st_size
+            size = (index.root / name).stat().st_size
         except OSError:
             return f"{name} cannot be stat'ed"
         if info.get("bytes") != size:
@@ -110,7 +110,7 @@ def _disagreement(doc: dict, index: CheckpointIndex, inferred: int | None) -> st
 def record_name(index: CheckpointIndex) -> str | None:
     """The file that records the checkpoint: its manifest, else a legacy `.hpckpt.json`, else None."""
     for name in (manifest.NAME, NAME):
-        if os.path.lexists(index.root / name):
+        if lexists(index.root / name):
             return name
     return None
 

@@ -47,7 +47,7 @@ def cache_dir() -> Path | None:
 
 def _cache_file(root: Path, metadata_files: list[str]) -> Path | None:
     directory = cache_dir()
-    if directory is None:
+    if directory is None or not isinstance(root, Path):  # objects in a store: no inode to key on
         return None
     identity = [__version__, str(root.resolve())]
     total = 0

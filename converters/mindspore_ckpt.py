@@ -11,7 +11,6 @@ values cannot be held: they are reported as skipped. A dtype MindSpore cannot lo
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,8 @@ from hpckpt.core.geometry.plan import Plan
 from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry, parse_range_key
 from hpckpt.core.io.output import Extent, FileLayout, Finished, OutputLayout, Placement
 from hpckpt.core.safety import input_files
+from hpckpt.core.storage.urls import as_path
+from hpckpt.core.storage.readers import file_size
 
 SNIFF_BYTES = 4096
 STRING_ENCODING = "utf-32"  # `ValueEntry.encoding` of MindSpore `str` values
@@ -84,7 +85,7 @@ class MindSporeCkptLocator:
 def _head(path: Path) -> tuple[bytes, int]:
     try:
         with input_files.open_file(path) as f:
-            return f.read(SNIFF_BYTES), os.fstat(f.fileno()).st_size
+            return f.read(SNIFF_BYTES), file_size(f)
     except (OSError, HpckptError):
         return b"", -1
 
@@ -121,7 +122,7 @@ class MindSporeCkptReader:
     name = "mindspore-ckpt"
 
     def sniff(self, path: Path) -> bool:
-        path = Path(path)
+        path = as_path(path)
         if not path.is_file():
             return False
         head, size = _head(path)
@@ -137,7 +138,7 @@ class MindSporeCkptReader:
         return kind == "short" or head[:1] == b"\x0a" or only_crc
 
     def read_index(self, path: Path) -> CheckpointIndex:
-        path = Path(path)
+        path = as_path(path)
         scan = ckpt.scan(path)
         _refuse_empty(scan)
         _refuse_unsupported(scan)

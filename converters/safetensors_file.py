@@ -8,7 +8,6 @@ the source's own `__metadata__` keys carried (`converters.safetensors_pieces`).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from hpckpt.core.geometry.plan import Plan, PlannedBox, PlannedTensor
 from hpckpt.core.index import CheckpointIndex, Chunk, TensorEntry
 from hpckpt.core.io.output import Extent, FileLayout, Finished, OutputLayout, Placement
 from hpckpt.core.safety import input_files
+from hpckpt.core.storage.urls import lexists
 
 
 def index_safetensors_files(root: Path, files: list[str], fmt: str, *, assemble: bool = True,
@@ -73,7 +73,7 @@ def index_safetensors_files(root: Path, files: list[str], fmt: str, *, assemble:
         format_version="1",
         framework=frameworks.pop() if len(frameworks) == 1 else None,
         tensors=dict(sorted(tensors.items())),
-        values=values_sidecar.value_entries(root, sidecar) if sidecar and os.path.lexists(root / sidecar) else {},
+        values=values_sidecar.value_entries(root, sidecar) if sidecar and lexists(root / sidecar) else {},
         data_files=sorted(files),
         locator=locator,
         notes=notes,
@@ -116,7 +116,7 @@ def _is_zip(path: Path) -> bool:
         with input_files.open_file(path) as f:
             return f.read(4) == ZIP_MAGIC
     except HpckptError:
-        return not os.path.lexists(path)  # a FIFO or a directory is ours, to say what it is
+        return not lexists(path)  # a FIFO or a directory is ours, to say what it is
     except OSError:
         return True  # unreadable: not ours to claim
 

@@ -12,7 +12,6 @@ Written: one flat dict `{fqn: tensor or value}` that `torch.load(..., weights_on
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -171,7 +170,7 @@ class TorchSaveReader:
             format_version="zip",
             framework="torch",
             tensors=tensors,
-            values={fqn: ValueEntry(fqn, path.name, 0, os.stat(path).st_size, "inline") for fqn in values},
+            values={fqn: ValueEntry(fqn, path.name, 0, path.stat().st_size, "inline") for fqn in values},
             data_files=[path.name],
             locator=locator,
         )

@@ -14,7 +14,6 @@ import base64
 import binascii
 import json
 import math
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from hpckpt.core.errors import CorruptMetadataError
 from hpckpt.core.index import ValueEntry
 from hpckpt.core.json_values import values_document
 from hpckpt.core.safety import input_files
+from hpckpt.core.storage.urls import lexists
 
 #: A sidecar larger than this is not ours (values are small): refused rather than parsed.
 MAX_SIDECAR_BYTES = input_files.MAX_SIDECAR_BYTES
@@ -96,7 +96,7 @@ def read(path: Path) -> dict:
     Raises:
         CorruptMetadataError: not a JSON object of entries, or implausibly large.
     """
-    if not os.path.lexists(path):
+    if not lexists(path):
         return {}
     document = input_files.load_json(input_files.read_small(path, "values sidecar", MAX_SIDECAR_BYTES),
                                      f"{path}: values sidecar", max_depth=input_files.MAX_SIDECAR_DEPTH)

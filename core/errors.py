@@ -196,6 +196,31 @@ class NameCollisionError(NameRuleError):
 
 
 
+class UsageError(HpckptError, ValueError):
+    """A command-line value that names nothing hpckpt can act on (a URL of an unknown scheme, no
+    bucket): a usage error, exit 2."""
+
+    exit_code = 2
+    kind = "usage"
+
+
+class ExtraNotInstalledError(HpckptError):
+    """A URL was given, but the optional object-store client (`pip install 'hpckpt[s3]'`) is not
+    installed; local paths need none of it."""
+
+    exit_code = 26
+    kind = "extra-not-installed"
+
+
+class StorageError(HpckptError):
+    """The object store refused or could not be reached: a bucket that does not exist, access
+    denied, bad credentials, an endpoint that does not answer, or errors that outlasted the
+    retries. Nothing was left that looks like a checkpoint."""
+
+    exit_code = 27
+    kind = "storage"
+
+
 # Errors of the live library (`hpckpt.dist`) and of `hpckpt run`.
 
 class AccountingError(HpckptError):
@@ -312,6 +337,8 @@ ERROR_CLASSES: tuple[type[HpckptError], ...] = (
     DestinationLockedError,
     NoSpaceError,
     WriteFailedError,
+    ExtraNotInstalledError,
+    StorageError,
     InterruptedRunError,
 )
 

@@ -94,7 +94,7 @@ def _edges(module_level_only: bool = False) -> dict[str, set[str]]:
 def test_the_scan_sees_the_whole_package():
     """A guard for the tests below: they read every module, and the rooms are there."""
     assert len(MODULES) > 150
-    for room in ("core.geometry", "core.io", "core.commit", "core.safety", "core.codecs", "dist.jobs",
+    for room in ("core.geometry", "core.io", "core.commit", "core.safety", "core.codecs", "core.storage", "dist.jobs",
                  "dist.frameworks", "converters.torch_dcp"):
         assert f"hpckpt.{room}" in MODULES, room
     engine = _imports("hpckpt.core.io.engine", MODULES["hpckpt.core.io.engine"])
@@ -178,6 +178,16 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
                 if len(component) > 1:
                     found.append(sorted(component))
     return found
+
+
+def test_the_object_store_client_is_imported_in_one_place_only_when_needed():
+    """obstore (the optional extra) is imported by `core.storage.object_store` alone, and there only
+    inside functions, so that local runs and `--help` work without it (tests/test_object_store.py
+    proves they do not import it)."""
+    where = [(name, line, at_top) for name, path in MODULES.items()
+             for target, line, at_top in _imports(name, path) if target.split(".")[0] == "obstore"]
+    assert where and {name for name, _, _ in where} == {"hpckpt.core.storage.object_store"}, where
+    assert not any(at_top for _, _, at_top in where), where
 
 
 @pytest.mark.parametrize("module_level_only", [True, False], ids=["module-level", "lazy-too"])

@@ -58,6 +58,8 @@ def _click_value(ptype: Any) -> Value:
     if choices is not None:
         return _choice_value(choices)
     kinds = {cls.__name__ for cls in type(ptype).__mro__}
+    if getattr(getattr(ptype, "func", None), "__name__", "") == "location":  # a path or a URL (cli._errors)
+        return _path_value(True, True)
     if kinds & {"Path", "TyperPath"}:  # typer 0.28's own path type is no click Path
         return _path_value(ptype.file_okay, ptype.dir_okay)
     if kinds & {"File", "TyperFile"}:

@@ -6,7 +6,6 @@ plus `_rank{r}_.safetensors` and `.bytes` files (the README's table of formats; 
 from __future__ import annotations
 
 import functools
-import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -35,6 +34,7 @@ from hpckpt.core.paths import resolve_inside
 from hpckpt.core.safety import input_files
 from hpckpt.core.safety.pickle_scan import sniff_head
 from hpckpt.core.safety.unpickle import METADATA, loads
+from hpckpt.core.storage.urls import lexists
 
 GLOBAL_METADATA = ".metadata"
 _RANK_LOCAL = re.compile(r"^(\d+)\.metadata$")
@@ -60,7 +60,7 @@ def metadata_files(root: Path) -> list[str]:
         MissingFileError: one of them is a FIFO, a device or a directory (refused unopened,
             whatever the format: a PyTorch DCP `.metadata` is checked here too, as this runs first).
     """
-    if os.path.lexists(root / GLOBAL_METADATA):
+    if lexists(root / GLOBAL_METADATA):
         _inside(root, GLOBAL_METADATA)
         input_files.check_regular(root / GLOBAL_METADATA, "metadata file")
         return [GLOBAL_METADATA]
@@ -112,7 +112,7 @@ class HyperParallelReader:
         if use_cache:  # a manifest's listing first: it lives in the checkpoint and is checked against it
             index = index_cache.from_manifest(path, names, DataFileLocator(path), lambda: self._parse(path, names))
         if use_cache and index is None:  # the record is part of the cache's identity: a changed one is read again
-            identity = names + [n for n in (manifest.NAME, hpckpt_json.NAME) if os.path.lexists(path / n)]
+            identity = names + [n for n in (manifest.NAME, hpckpt_json.NAME) if lexists(path / n)]
             index = index_cache.load(path, identity, DataFileLocator(path), lambda: self._parse(path, names))
         if index is not None:
             hpckpt_json.apply(index)  # the snapshot has the world size, not the record's warnings

@@ -16,7 +16,6 @@ are checked the same way.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from hpckpt.core.safety import input_files
 from hpckpt.core.safety.allow_list import safe_global
 from hpckpt.core.safety.pickle_scan import sniff_head
 from hpckpt.core.safety.unpickle import METADATA, loads
+from hpckpt.core.storage.urls import lexists
 
 GLOBAL = ".metadata"
 _DCP_MODULE = b"torch.distributed.checkpoint."
@@ -142,7 +142,7 @@ def _check_every_rank(root: Path, have: set[int]) -> None:
 def load_metadata(root: Path, name: str) -> Metadata:
     """Read and safely unpickle one metadata file, checking it has the shape of DCP metadata."""
     path = root / name
-    if not os.path.lexists(path):
+    if not lexists(path):
         raise NotACheckpointError(f"{root}: no {name} file, not a PyTorch DCP checkpoint")
     data = input_files.read_small(path, "metadata file", input_files.metadata_limit())
     metadata = loads(data, what=str(path), resolver=safe_global, kind=METADATA)

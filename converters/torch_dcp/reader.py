@@ -44,6 +44,8 @@ from hpckpt.core.io.read import open_data_file
 from hpckpt.core.paths import resolve_inside
 from hpckpt.core.safety import input_files
 from hpckpt.core.safety.pickle_budget import describe
+from hpckpt.core.storage.readers import handle_of, pread
+from hpckpt.core.storage.urls import as_path
 
 METADATA = metadata_files.GLOBAL
 _ZIP_END, _ZIP_END_SIZE = b"PK\x05\x06", 22  # a zip's end-of-central-directory record (no comment)
@@ -129,11 +131,11 @@ class TorchDcpLocator:
         path = resolve_inside(self.root, file)
         self._check_range(path, file, fqn, offset, length)
         with open_data_file(path) as f:
-            fd = f.fileno()
-            if os.pread(fd, min(length, len(ZIP_MAGIC)), offset) == ZIP_MAGIC or (
-                    length >= _ZIP_END_SIZE and os.pread(fd, 4, offset + length - _ZIP_END_SIZE) == _ZIP_END):
+            fd = handle_of(f)
+            if pread(fd, min(length, len(ZIP_MAGIC)), offset) == ZIP_MAGIC or (
+                    length >= _ZIP_END_SIZE and pread(fd, 4, offset + length - _ZIP_END_SIZE) == _ZIP_END):
                 return None
-            return os.pread(fd, length, offset)
+            return pread(fd, length, offset)
 
     def _record(self, file: str, key: str, fqn: str) -> tuple[Path, Any]:
         """Return the absolute path and the parsed record of one item, checking file and range."""
@@ -181,10 +183,10 @@ class TorchDcpReader:
     name = "torch-dcp"
 
     def sniff(self, path: Path) -> bool:
-        return metadata_files.sniff(Path(path))
+        return metadata_files.sniff(as_path(path))
 
     def read_index(self, path: Path) -> CheckpointIndex:
-        root = Path(path)
+        root = as_path(path)
         names = metadata_files.metadata_names(root)
         merged = _merged(root, names)
         tensors = merged.entries()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from hpckpt.core.dtypes import DType
 from hpckpt.core.errors import CorruptDataError, HpckptError, UnknownFormatError, UnsupportedDTypeError
 from hpckpt.core.io.read import open_data_file
 from hpckpt.core.safety import input_files
+from hpckpt.core.storage.readers import file_size
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # what the safetensors library accepts
 
@@ -65,22 +65,22 @@ def read_header(path: Path, *, strict: bool = True) -> SafetensorsHeader:
             or F6 whose last dimension splits a byte); otherwise it is left out, in `.unsupported`.
     """
     with open_data_file(path, "safetensors file") as f:
-        file_size = os.fstat(f.fileno()).st_size
+        size = file_size(f)
         prefix = f.read(8)
         if len(prefix) < 8:
-            raise CorruptDataError(f"{path}: truncated safetensors file ({file_size} bytes, no header)")
+            raise CorruptDataError(f"{path}: truncated safetensors file ({size} bytes, no header)")
         (header_len,) = struct.unpack("<Q", prefix)
         if header_len > MAX_HEADER_BYTES:
             raise CorruptDataError(f"{path}: safetensors header length {header_len} exceeds the 100 MiB limit")
-        if 8 + header_len > file_size:
+        if 8 + header_len > size:
             raise CorruptDataError(
-                f"{path}: safetensors header length {header_len} is larger than the file ({file_size} bytes): truncated?"
+                f"{path}: safetensors header length {header_len} is larger than the file ({size} bytes): truncated?"
             )
         raw = f.read(header_len)
     doc = input_files.load_json(raw, f"{path}: safetensors header", CorruptDataError)
     if not isinstance(doc, dict):
         raise CorruptDataError(f"{path}: safetensors header is not a JSON object")
-    header = SafetensorsHeader(path, file_size, 8 + header_len, {}, {})
+    header = SafetensorsHeader(path, size, 8 + header_len, {}, {})
     _check_layout(header, _parse_entries(header, doc))
     _mindspore_overrides(header)
     if strict and header.problems:
@@ -206,7 +206,7 @@ def is_safetensors(path: Path) -> bool:
     try:
         with input_files.open_file(path) as f:
             head = f.read(9)
-            size = os.fstat(f.fileno()).st_size
+            size = file_size(f)
     except (OSError, HpckptError):
         return False
     return looks_like_safetensors(head, size)

@@ -36,6 +36,7 @@ from typing import Any, Iterable, Mapping
 from hpckpt.core import dtypes
 from hpckpt.core.codecs.pickle_builder import PickleBuilder
 from hpckpt.core.dtypes import DType
+from hpckpt.core.storage.urls import as_path
 
 #: A record's size or header offset at or above this needs zip64 fields (miniz's rule).
 #: Module-level so that tests can lower it to exercise the zip64 path without 4 GiB files.
@@ -132,7 +133,7 @@ def archive_name_for(path: "Path | str") -> str:
 
     torch falls back to "archive" for a non-ASCII name (it then writes through a Python stream).
     """
-    name = Path(path).name
+    name = as_path(path).name
     stem = name[: name.rfind(".")] if "." in name else name
     return stem if stem and stem.isascii() else "archive"
 

@@ -16,6 +16,7 @@ from hpckpt.core.errors import CorruptDataError, UnsafePickleError
 from hpckpt.core.index import Location
 from hpckpt.core.nesting import replace_leaves
 from hpckpt.core.safety.pickle_budget import charge, register_leaf
+from hpckpt.core.storage.urls import as_path
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class TensorRecord:
     def location(self, path: "Path | str") -> Location:
         """Return the `Location` a generic reader needs; strides only when not C-contiguous."""
         return Location(
-            path=Path(path),
+            path=as_path(path),
             offset=self.offset,
             nbytes=self.nbytes,
             stored_dtype=self.dtype,

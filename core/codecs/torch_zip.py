@@ -13,7 +13,6 @@ pickle's globals stand for is `core.safety.torch_globals`.
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import struct
 import zipfile
@@ -28,6 +27,8 @@ from hpckpt.core.safety import input_files
 from hpckpt.core.safety.allow_list import Resolver
 from hpckpt.core.safety.torch_globals import Storage, StorageType, record_global
 from hpckpt.core.safety.unpickle import SafeUnpickler
+from hpckpt.core.storage.readers import close_handle, handle_of, handle_size, pread as read_range, read_at
+from hpckpt.core.storage.urls import as_path
 
 __all__ = ["ZIP_MAGIC", "TensorRecord", "is_zip_record", "load_record"]
 
@@ -96,7 +97,7 @@ class _FileWindow(io.RawIOBase):
             return b""
         first, last = offset // self.BLOCK, (offset + size - 1) // self.BLOCK
         if last - first > 1:  # a large read: straight from the file
-            return os.pread(self._fd, size, self._start + offset)
+            return read_range(self._fd, size, self._start + offset)
         data = b"".join(self._block(i) for i in range(first, last + 1))
         skip = offset - first * self.BLOCK
         return data[skip : skip + size]
@@ -106,7 +107,7 @@ class _FileWindow(io.RawIOBase):
             if len(self._blocks) >= 4:
                 self._blocks.pop(next(iter(self._blocks)))
             begin = i * self.BLOCK
-            self._blocks[i] = os.pread(self._fd, min(self.BLOCK, self._length - begin), self._start + begin)
+            self._blocks[i] = read_range(self._fd, min(self.BLOCK, self._length - begin), self._start + begin)
         return self._blocks[i]
 
 
@@ -248,11 +249,11 @@ def load_record(path: "Path | str", start: int = 0, length: int | None = None, *
             member is compressed or missing, or the record is not little-endian.
         UnsafePickleError: data.pkl names a global outside the allow-list.
     """
-    path = Path(path)
+    path = as_path(path)
     where = _describe(path, start, length)
     with open_data_file(path) as file:
-        fd = file.fileno()
-        size = os.fstat(fd).st_size
+        fd = handle_of(file)
+        size = handle_size(fd)
         length = size - start if length is None else length
         if start < 0 or length < 0 or start + length > size:
             raise CorruptDataError(f"{where}: byte range lies outside the {size}-byte file")
@@ -271,13 +272,14 @@ def load_record(path: "Path | str", start: int = 0, length: int | None = None, *
 def is_zip_record(path: "Path | str", start: int = 0) -> bool:
     """Cheap check: does a zip local header start at `start`? (False when unreadable.)"""
     try:
-        fd = input_files.open_fd(Path(path))
+        fd = input_files.open_handle(as_path(path))
     except (OSError, HpckptError):
         return False
     try:
-        return os.pread(fd, len(ZIP_MAGIC), start) == ZIP_MAGIC
+        head = memoryview(bytearray(len(ZIP_MAGIC)))
+        return read_at(fd, head, start) == len(ZIP_MAGIC) and head == ZIP_MAGIC
     except OSError:
         return False
     finally:
-        os.close(fd)
+        close_handle(fd)
 

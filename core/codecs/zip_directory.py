@@ -9,12 +9,13 @@ the end record and the directory are read (one `pread` for a small record), neve
 
 from __future__ import annotations
 
-import os
 import struct
 from pathlib import Path
 
 from hpckpt.core.codecs.torch_zip import ZIP_MAGIC
 from hpckpt.core.io.read import open_data_file
+from hpckpt.core.storage.readers import handle_of, handle_size, pread
+from hpckpt.core.storage.urls import as_path
 
 _SMALL = 64 * 1024  # a record up to this size is read whole, in one call
 
@@ -28,9 +29,9 @@ def records_with_storages(path: "Path | str", ranges: list[tuple[int, int]]) -> 
     Raises:
         MissingFileError: `path` cannot be opened.
     """
-    with open_data_file(Path(path)) as file:
-        fd = file.fileno()
-        size = os.fstat(fd).st_size
+    with open_data_file(as_path(path)) as file:
+        fd = handle_of(file)
+        size = handle_size(fd)
         return [0 <= start and 0 <= length and start + length <= size and _may_hold_storage(fd, start, length)
                 for start, length in ranges]
 
@@ -42,10 +43,10 @@ _ENTRY = struct.Struct("<4s24xHHH12x")  # central directory entry: signature, na
 def _may_hold_storage(fd: int, start: int, length: int) -> bool:
     if length < _END.size:
         return False
-    whole = os.pread(fd, length, start) if length <= _SMALL else None  # a value's record: one read
+    whole = pread(fd, length, start) if length <= _SMALL else None  # a value's record: one read
 
     def read(size: int, at: int) -> bytes:
-        return whole[at : at + size] if whole is not None else os.pread(fd, size, start + at)
+        return whole[at : at + size] if whole is not None else pread(fd, size, start + at)
 
     if read(len(ZIP_MAGIC), 0) != ZIP_MAGIC:
         return False

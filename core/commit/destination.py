@@ -27,6 +27,7 @@ from hpckpt.core.errors import (
     PathNotFoundError,
     UnsafeDestinationError,
 )
+from hpckpt.core.storage.object_path import is_object
 
 
 # -- what may be written where ----------------------------------------------------------------
@@ -39,7 +40,7 @@ def refuse_unsafe(dest: Path, source: Path | None) -> None:
     Raises:
         UnsafeDestinationError: it is.
     """
-    if source is None:
+    if source is None or is_object(source):  # (a store's source never overlaps a local destination)
         return
     src, out = Path(os.path.realpath(source)), Path(os.path.realpath(dest))
     hint = "write the output somewhere else"

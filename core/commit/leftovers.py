@@ -15,6 +15,7 @@ from pathlib import Path
 
 from hpckpt.core.commit import formats
 from hpckpt.core.commit.lock import LOCK_SUFFIX, holder
+from hpckpt.core.storage.object_path import is_object
 
 
 TMP_MARK = ".hpckpt-tmp-"
@@ -63,6 +64,10 @@ def _remove_hint(path: Path, pid: int | None) -> str:
 def leftover(path: Path) -> str | None:
     """What an unfinished (or running) hpckpt run left at `path`, said in one line with the
     command that removes it, for `inspect` and `verify`; None for anything else."""
+    if is_object(path):
+        from hpckpt.core.commit.object_staging import object_leftover
+
+        return object_leftover(path)
     path = Path(path).absolute()
     staging = staging_directory(path)
     if staging is not None:
@@ -79,7 +84,7 @@ def leftover(path: Path) -> str | None:
         pid = holder(path)
         return f"{path} is the lock file of an hpckpt run ({_run(pid)}){_remove_hint(path, pid)}"
     owner = sidecar_owner_path(path)
-    if owner is not None and path.is_file() and not os.path.lexists(owner):
+    if owner is not None and path.is_file() and not owner.exists():
         kind = "manifest" if path.name.endswith(".hpckpt-manifest.jsonl") else "values sidecar"
         return (f"{path} is the {kind} of {owner}, which does not exist (an hpckpt run that did not "
                 f"finish, or the file was removed); remove it with `rm {shlex.quote(str(path))}` or rerun the command")

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hpckpt.core.errors import DestinationLockedError
+from hpckpt.core.storage.object_path import is_object
 
 LOCK_SUFFIX = ".hpckpt-lock"
 
@@ -173,7 +174,8 @@ def reading(src: str | Path) -> Iterator[None]:
         DestinationLockedError: another hpckpt run is replacing `src` (`--force`).
     """
     try:
-        fd = _take(_checkpoint_root(Path(src)), fcntl.LOCK_SH) if isinstance(src, (str, os.PathLike)) else None
+        local = isinstance(src, (str, os.PathLike)) and not is_object(src)  # a store has no locks to take
+        fd = _take(_checkpoint_root(Path(src)), fcntl.LOCK_SH) if local else None
     except _Held:
         raise DestinationLockedError(f"{src} is being replaced by another hpckpt run",
                                      hint="wait for that run to finish, then run this one again") from None

@@ -24,7 +24,6 @@ loader nor PyTorch's reads the file; both ignore it (tested).
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import sys
 from collections.abc import Iterator, Sequence
@@ -36,6 +35,7 @@ from hpckpt import __version__
 from hpckpt.core.errors import CorruptMetadataError
 from hpckpt.core.io import digest
 from hpckpt.core.safety import input_files
+from hpckpt.core.storage.urls import as_path, lexists
 
 NAME = ".hpckpt-manifest.jsonl"
 SUFFIX = ".hpckpt-manifest.jsonl"
@@ -69,7 +69,7 @@ class FileDigest:
 
 def path_of(checkpoint: Path) -> Path:
     """Where the manifest of `checkpoint` (a directory, or a single file) is."""
-    checkpoint = Path(checkpoint)
+    checkpoint = as_path(checkpoint)
     return checkpoint / NAME if checkpoint.is_dir() else checkpoint.with_name(checkpoint.name + SUFFIX)
 
 
@@ -145,7 +145,7 @@ class Manifest:
                 header does not list, or the lines and the header disagree.
         """
         seen = set()
-        with open(self.path, "rb") as f:
+        with input_files.open_file(self.path, "manifest") as f:
             f.readline(input_files.metadata_limit() + 1)
             for number, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=2):
                 if len(raw) > MAX_LINE_BYTES:
@@ -193,13 +193,13 @@ class Manifest:
         for name, info in self.metadata.items():
             path = root / name
             try:
-                size = os.stat(path).st_size
+                size = path.stat().st_size
             except OSError:
                 return f"{name} is missing"
             if size != info["bytes"]:
                 return f"it was written with another {name} ({info['bytes']} bytes, now {size}; saved into since?)"
             try:
-                with open(path, "rb") as f:
+                with input_files.open_file(path, "metadata file") as f:
                     got = _digest_of_file(f)
             except OSError as exc:
                 return f"{name} cannot be read ({exc.strerror})"
@@ -229,16 +229,15 @@ def read(path: Path) -> Manifest | None:
     Raises:
         CorruptMetadataError: it is not a manifest, or its header is malformed.
     """
-    if not os.path.lexists(path):
+    if not lexists(path):
         return None
     limit = input_files.metadata_limit()
-    input_files.check_regular(path, "manifest", CorruptMetadataError)
-    with open(path, "rb") as f:
+    with input_files.open_file(path, "manifest", CorruptMetadataError) as f:
         first = f.readline(limit + 1)
     if len(first) > limit:
         raise CorruptMetadataError(f"{path}: the manifest's header is longer than {limit} bytes")
     doc = input_files.load_json(first, f"{path}: manifest header")
-    manifest = Manifest(Path(path), doc if isinstance(doc, dict) else {})
+    manifest = Manifest(as_path(path), doc if isinstance(doc, dict) else {})
     problem = _header_problem(manifest.header)
     if problem is not None:
         raise manifest._bad(problem)
@@ -275,18 +274,18 @@ def source_identity(path: Path | None, format_name: str | None, metadata_files: 
     else the digests of its metadata files (small; data files are not read for this)."""
     if path is None:
         return None
-    path = Path(path)
+    path = as_path(path)
     out: dict[str, Any] = {"path": str(path), "format": format_name}
     sidecar = path_of(path)
     try:
-        if os.path.isfile(sidecar):
-            with open(sidecar, "rb") as f:
+        if sidecar.is_file():
+            with input_files.open_file(sidecar, "manifest") as f:
                 out["manifest"] = _digest_of_file(f)
             return out
         root = path if path.is_dir() else path.parent
         files = {}
         for name in metadata_files:
-            with open(root / name, "rb") as f:
+            with input_files.open_file(root / name, "metadata file") as f:
                 files[name] = _digest_of_file(f)
         if files:
             out["metadata"] = files

@@ -63,9 +63,22 @@ from hpckpt.core.commit.leftovers import (
     remove_stale_staging,
 )
 from hpckpt.core.commit.lock import DestinationLock, ReplaceLock
+from hpckpt.core.storage.object_path import is_object
 
 
 # -- one output -------------------------------------------------------------------------------
+
+
+def staging_for(dest, *, source=None, force: bool = False, sync: bool = True, file_output: bool = False,
+                parents: bool = False, needed: int = 0):
+    """`Staging` for a local destination, `ObjectStaging` (`core.commit.object_staging`) for an
+    object in a store: one protocol, `path` to fill, `write_metadata`, `commit`."""
+    if is_object(dest):
+        from hpckpt.core.commit.object_staging import ObjectStaging
+
+        return ObjectStaging(dest, source=source, force=force, file_output=file_output, needed=needed)
+    return Staging(dest, source=source, force=force, sync=sync, file_output=file_output, parents=parents,
+                   needed=needed)
 
 
 def shared_staging(dest: Path) -> Path:
@@ -115,8 +128,11 @@ class Staging:
             self._lock.release()
             raise
 
-    def write_metadata(self, files: tuple[tuple[str, bytes], ...] | list[tuple[str, bytes]]) -> None:
-        """The files written last: after every data file is durable."""
+    def write_metadata(self, files: tuple[tuple[str, bytes], ...] | list[tuple[str, bytes]], *,
+                       marks: bool = True) -> None:
+        """The files written last: after every data file is durable. (`marks`: whether they are
+        what says "complete", or only sidecars such as the manifest; it matters only where there is
+        no rename, `ObjectStaging`.)"""
         for name, data in files:
             write_file(self.path / name, data, self.sync)
 

@@ -26,6 +26,7 @@ from hpckpt.core.io import digest
 from hpckpt.core.io.cast import cast
 from hpckpt.core.io.output import Extent, Placement
 from hpckpt.core.io.read import OpenFiles, read_region
+from hpckpt.core.storage.readers import read_at
 
 WRITEBACK_SPAN = 8 * 1024 * 1024  # writeback is started in aligned spans of this size (docs/design-figures.md)
 WRITE_PIECE, WRITE_ALIGN = 2 * 1024 * 1024, 64 * 1024  # how gathered bytes are handed to pwrite
@@ -33,6 +34,7 @@ WRITE_PIECE, WRITE_ALIGN = 2 * 1024 * 1024, 64 * 1024  # how gathered bytes are 
 # the RSS: a 2 GiB reshard peaks at 57 MiB with these, 41 MiB unhashed, 104 MiB with 64 MiB spans)
 MAP_MIN, MAP_SPAN = 4 * 1024 * 1024, 8 * 1024 * 1024
 COPY_PIECE = 1024 * 1024  # hashed copies go piece by piece, each written while a core still caches it
+OBJECT_PIECE = 32 * 1024 * 1024  # a copy from an object store goes in fills of this size (4 GETs in flight)
 Progress = Callable[[int], None]
 
 
@@ -169,6 +171,9 @@ class BoxFiller:
         measured (docs/design-figures.md). Smaller ranges cost less read into the piece buffer
         than mapped."""
         fd = self.files.fd(path)
+        if not isinstance(fd, int):  # an object in a store: ranged GETs, no kernel copy, no mapping
+            self._copy_object(fd, path, offset, count, at)
+            return
         if self._hasher is None:
             copy_range(fd, self.fd, count, offset, at, path)
             return
@@ -194,6 +199,17 @@ class BoxFiller:
             view.release()
             mapped.close()
             done = base + span
+
+    def _copy_object(self, reader, path: Path, offset: int, count: int, at: int) -> None:
+        """Copy an object's byte range to the output through one reused buffer of `OBJECT_PIECE`
+        bytes (each fill is several concurrent ranged GETs: `core.storage.object_store`)."""
+        buffer = self._scratch(min(count, OBJECT_PIECE))
+        view = memoryview(buffer)
+        for done in range(0, count, OBJECT_PIECE):
+            piece = view[:min(OBJECT_PIECE, count - done)]
+            if read_at(reader, piece, offset + done) != len(piece):
+                raise _truncated(path, offset, count)
+            self._write(piece, at + done)
 
     def _copy_buffered(self, fd: int, path: Path, start: int, end: int, shift: int) -> None:
         """Copy and hash source bytes `[start, end)` to output offset `start + shift` through the

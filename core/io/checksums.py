@@ -8,7 +8,6 @@ thread, whatever the range's size).
 
 from __future__ import annotations
 
-import os
 import threading
 import zlib
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 from hpckpt.core.errors import CorruptDataError
 from hpckpt.core.io.output import Extent
 from hpckpt.core.io.read import open_data_file
+from hpckpt.core.storage.readers import handle_of, read_at
 
 CRC_BLOCK_BYTES = 8 * 1024 * 1024
 _BUFFERS = threading.local()
@@ -37,7 +37,7 @@ def crc_of(fd: int, extents, path: Path | str = "file", crc: int = 0) -> int:
     for extent in extents:
         done = 0
         while done < extent.nbytes:
-            n = os.preadv(fd, [view[: min(len(view), extent.nbytes - done)]], extent.offset + done)
+            n = read_at(fd, view[: min(len(view), extent.nbytes - done)], extent.offset + done)
             if n <= 0:
                 raise CorruptDataError(f"{path}: truncated: {extent.nbytes - done} bytes missing at offset "
                                        f"{extent.offset + done}")
@@ -53,7 +53,7 @@ def crc_of_range(fd: int, offset: int, nbytes: int, path: Path | str = "file", c
 def check_source(path: Path, offset: int, nbytes: int, crc: int) -> None:
     """Raises CorruptDataError when the bytes a source's format vouches for hash otherwise."""
     with open_data_file(path) as f:
-        got = crc_of_range(f.fileno(), offset, nbytes, path)
+        got = crc_of_range(handle_of(f), offset, nbytes, path)
     if got != crc:
         raise CorruptDataError(f"{path}: the {nbytes} bytes at offset {offset} hash to CRC-32 {got:#010x}, its "
                                f"zip directory records {crc:#010x}",

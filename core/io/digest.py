@@ -21,12 +21,13 @@ is one segment, and an empty file none.
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import xxhash
+
+from hpckpt.core.storage.readers import Handle, read_at
 
 ALGORITHM = "xxh3-128"
 DIGEST_BYTES = 16
@@ -108,7 +109,7 @@ class ScanError(Exception):
     """A file shorter than its boxes, or boxes that overlap (raised by `scan_file`)."""
 
 
-def scan_file(fd: int, size: int, boxes: Sequence[Sequence[tuple[int, int]]], progress=None) -> FileDigests:
+def scan_file(fd: Handle, size: int, boxes: Sequence[Sequence[tuple[int, int]]], progress=None) -> FileDigests:
     """Read a file front to back once, in `SCAN_BLOCK` reads, and hash its boxes (each a list of
     `(offset, nbytes)` extents) and its segments.
 
@@ -144,11 +145,11 @@ def scan_file(fd: int, size: int, boxes: Sequence[Sequence[tuple[int, int]]], pr
     return FileDigests(size, file_digest(segments), digests)
 
 
-def _read_block(fd: int, view: memoryview, at: int, size: int) -> int:
+def _read_block(fd: Handle, view: memoryview, at: int, size: int) -> int:
     want = min(len(view), size - at)
     got = 0
     while got < want:
-        n = os.preadv(fd, [view[got:want]], at + got)
+        n = read_at(fd, view[got:want], at + got)
         if n <= 0:
             raise ScanError(f"the file ends at byte {at + got}, {size - at - got} bytes before its recorded size")
         got += n

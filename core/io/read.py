@@ -8,7 +8,6 @@ chunk costs one read per row instead of reading the chunk whole.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from pathlib import Path
 from typing import BinaryIO
@@ -19,6 +18,7 @@ from hpckpt.core.errors import CorruptDataError, GeometryError
 from hpckpt.core.geometry.box import Box, full_box
 from hpckpt.core.index import BufferLocation, CheckpointIndex, Location, TensorEntry
 from hpckpt.core.safety import input_files
+from hpckpt.core.storage.readers import Handle, close_handle, read_at
 
 DEFAULT_READ_BUDGET = 64 * 1024 * 1024
 
@@ -31,26 +31,27 @@ def open_data_file(path: Path, what: str = "data file") -> BinaryIO:
 
 
 class OpenFiles:
-    """A small LRU of read-only file descriptors, so reading many chunks reopens nothing."""
+    """A small LRU of read-only handles (file descriptors, or objects of a store), so reading many
+    chunks reopens nothing."""
 
     def __init__(self, limit: int = 64):
-        self._fds: OrderedDict[Path, int] = OrderedDict()
+        self._fds: OrderedDict[Path, Handle] = OrderedDict()
         self._limit = limit
         self.bytes_read = 0  # by `read_region`: what a load reports as read from storage
 
-    def fd(self, path: Path) -> int:
+    def fd(self, path: Path) -> Handle:
         fd = self._fds.pop(path, None)
         if fd is None:
-            fd = input_files.open_fd(path)  # once per file: the LRU keeps it
+            fd = input_files.open_handle(path)  # once per file: the LRU keeps it
             while len(self._fds) >= self._limit:
                 _, old = self._fds.popitem(last=False)
-                os.close(old)
+                close_handle(old)
         self._fds[path] = fd
         return fd
 
     def close(self) -> None:
         for fd in self._fds.values():
-            os.close(fd)
+            close_handle(fd)
         self._fds.clear()
 
     def __enter__(self) -> "OpenFiles":
@@ -60,12 +61,12 @@ class OpenFiles:
         self.close()
 
 
-def pread_exact(fd: int, nbytes: int, offset: int, path: Path, into: memoryview | None = None) -> memoryview:
+def pread_exact(fd: Handle, nbytes: int, offset: int, path: Path, into: memoryview | None = None) -> memoryview:
     """Read exactly `nbytes` at `offset`; a short read means the file is truncated."""
     buf = into if into is not None else memoryview(bytearray(nbytes))
     done = 0
     while done < nbytes:
-        n = os.preadv(fd, [buf[done:]], offset + done)
+        n = read_at(fd, buf[done:nbytes], offset + done)
         if n == 0:
             raise CorruptDataError(
                 f"{path}: truncated: needed bytes [{offset}, {offset + nbytes}) but the file ends at {offset + done}"
@@ -97,7 +98,7 @@ def read_region(files: OpenFiles, loc: Location | BufferLocation, region: Box, o
                                       np.dtype(loc.stored_dtype.numpy_storage), out, budget)
 
 
-def _read_strided(fd: int, path: Path, start: int, sizes: tuple[int, ...], strides: tuple[int, ...],
+def _read_strided(fd: Handle, path: Path, start: int, sizes: tuple[int, ...], strides: tuple[int, ...],
                   itemsize: int, np_dtype: np.dtype, out: np.ndarray, budget: int) -> int:
     """Fill `out`; returns the bytes read."""
     span = (sum((z - 1) * s for z, s in zip(sizes, strides)) + 1) * itemsize

@@ -14,7 +14,7 @@ from pathlib import Path
 from hpckpt.core.commit import manifest
 from hpckpt.core.commit.durable import write_error
 from hpckpt.core.commit.fan_out import Fragment
-from hpckpt.core.commit.staging import Staging
+from hpckpt.core.commit.staging import staging_for
 from hpckpt.core.errors import HpckptError
 from hpckpt.core.geometry.plan import Plan
 from hpckpt.core.geometry.plan_stats import RankStats
@@ -22,6 +22,7 @@ from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.io import engine
 from hpckpt.core.io.accounting import check_layout, check_written
 from hpckpt.core.io.output import Finished, OutputLayout
+from hpckpt.core.storage.urls import as_path
 
 
 class Progress:
@@ -96,7 +97,7 @@ def write_plan(plan: Plan, source: CheckpointIndex, writer, dest: Path, settings
         NoSpaceError: the output does not fit (checked first), or the disk filled up meanwhile.
         WriteFailedError: the system refused another write; nothing is left behind either way.
     """
-    dest = Path(dest)
+    dest = as_path(dest)
     values = {v.fqn: source.decode_value(v.fqn) for v in plan.values}  # before anything is written
     layout = lay_out(plan, values, writer)
     progress = settings.progress
@@ -161,9 +162,9 @@ def _write_staged(plan, layout, source, writer, dest, settings, file_output, rea
                   needed, fields) -> tuple[engine.Executed, tuple[str, ...]]:
     """The staged write; returns what the engine did and the names of the metadata files (the
     manifest's included)."""
-    with Staging(dest, source=source_path, force=settings.force, sync=settings.sync, file_output=file_output,
-                 parents=settings.parents, needed=needed) as staging:
-        done, finished = fill(layout, source, writer, staging.path, settings)
+    with staging_for(dest, source=source_path, force=settings.force, sync=settings.sync, file_output=file_output,
+                     parents=settings.parents, needed=needed) as staging:
+        done, finished = fill(layout, source, writer, staging.path, replace(settings, sync=staging.sync))
         staging.write_metadata(finished.metadata)
         written = None
         if read_back is not None:  # the staged output, read as the format's reader reads it
@@ -178,6 +179,6 @@ def _write_staged(plan, layout, source, writer, dest, settings, file_output, rea
                                   metadata=finished.metadata, source=fields.source, layout=fields.layout,
                                   index=listing, command=fields.command)
             extra = ((name, manifest.encode(doc, done.files)),)
-            staging.write_metadata(extra)
+            staging.write_metadata(extra, marks=False)
         staging.commit()
     return done, tuple(name for name, _ in (*finished.metadata, *extra))

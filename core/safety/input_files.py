@@ -39,6 +39,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 from hpckpt.core.errors import CorruptMetadataError, HpckptError, MissingFileError
+from hpckpt.core.storage.readers import Handle, ObjectReader
+from hpckpt.core.storage.object_path import is_object
 
 #: A `.metadata` / `{rank}.metadata` / `__{rank}.metadata` pickle (env `HPCKPT_MAX_METADATA_BYTES`).
 MAX_METADATA_BYTES = 2 << 30
@@ -85,6 +87,8 @@ def check_regular(path: Path, what: str, error: type[HpckptError] | None = None)
         MissingFileError: `path` does not exist (or is a symlink to nothing) or cannot be stat'ed.
         `error` (default MissingFileError): not a regular file.
     """
+    if _is_object(path):
+        return _check_object(path, what, error)
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -100,6 +104,32 @@ def check_regular(path: Path, what: str, error: type[HpckptError] | None = None)
 def _require_regular(path: Path, st: os.stat_result, what: str, error: type[HpckptError] | None) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise (error or MissingFileError)(f"{path}: is {_kind(st.st_mode)}, not a {what}")
+
+
+def _is_object(path: object) -> bool:
+    return is_object(path)  # (no import: local runs never load the storage client)
+
+
+def _check_object(path, what: str, error: type[HpckptError] | None):
+    """An object exists when the store lists it; a prefix with objects under it is a directory."""
+    try:
+        return path.stat() if path.is_file() else _not_object(path, what, error)
+    except FileNotFoundError:
+        raise MissingFileError(f"{path}: file not found") from None
+
+
+def _not_object(path, what: str, error: type[HpckptError] | None):
+    if path.is_dir():
+        raise (error or MissingFileError)(f"{path}: is a directory, not a {what}")
+    raise MissingFileError(f"{path}: file not found")
+
+
+def open_handle(path: Path, what: str = "data file", error: type[HpckptError] | None = None) -> Handle:
+    """`open_fd`, or for an object an `ObjectReader` (`core.storage.readers`): read either with
+    `read_at`, close it with `close_handle`."""
+    if _is_object(path):
+        return ObjectReader(path, _check_object(path, what, error).st_size)
+    return open_fd(path, what, error)
 
 
 def open_fd(path: Path, what: str = "data file", error: type[HpckptError] | None = None) -> int:
@@ -122,7 +152,12 @@ def open_fd(path: Path, what: str = "data file", error: type[HpckptError] | None
 
 
 def open_file(path: Path, what: str = "data file", error: type[HpckptError] | None = None) -> BinaryIO:
-    """`open_fd` as a buffered binary file object (close it, or use it in a `with`)."""
+    """`open_fd` as a buffered binary file object (close it, or use it in a `with`); an object's is
+    read by ranged GETs of 64 KiB (a large read in one GET of its size)."""
+    if _is_object(path):
+        from hpckpt.core.storage.readers import ObjectFile
+
+        return io.BufferedReader(ObjectFile(open_handle(path, what, error)), buffer_size=64 << 10)
     return os.fdopen(open_fd(path, what, error), "rb")
 
 
@@ -134,6 +169,8 @@ def read_small(path: Path, what: str, limit: int, error: type[HpckptError] | Non
         CorruptMetadataError (`error`): larger than `limit`.
     """
     error = error or CorruptMetadataError
+    if _is_object(path):
+        return _read_small_object(path, what, limit, error)
     fd = open_fd(path, what)
     try:
         size = os.fstat(fd).st_size
@@ -154,6 +191,18 @@ def read_small(path: Path, what: str, limit: int, error: type[HpckptError] | Non
         raise MissingFileError(f"{path}: cannot be read ({exc.strerror})") from None
     finally:
         os.close(fd)
+
+
+def _read_small_object(path, what: str, limit: int, error: type[HpckptError]) -> bytes:
+    reader = open_handle(path, what)
+    if reader.size > limit:
+        raise error(f"{path}: {reader.size} bytes, larger than any plausible {what} (limit {limit} bytes)",
+                    hint="raise HPCKPT_MAX_METADATA_BYTES if it is real" if limit == metadata_limit() else None)
+    data = bytearray(reader.size)
+    got = reader.read_into(memoryview(data), 0) if reader.size else 0
+    if got != reader.size:
+        raise error(f"{path}: {got} of its {reader.size} bytes could be read (changed while being read?)")
+    return bytes(data)
 
 
 def json_depth(data: bytes | str) -> int:

@@ -11,7 +11,7 @@ import pickle
 from typing import Any, BinaryIO
 
 
-from hpckpt.core.errors import CorruptMetadataError, UnsafePickleError
+from hpckpt.core.errors import CorruptMetadataError, HpckptError, UnsafePickleError
 
 
 
@@ -117,10 +117,12 @@ SNIFF_BYTES = 4096  # the first global of a metadata pickle lies within its firs
 
 def sniff_head(path: "pathlib.Path") -> bytes:
     """The first bytes of a metadata file, enough to tell whose classes it pickles."""
+    from hpckpt.core.safety import input_files
+
     try:
-        with open(path, "rb") as f:
+        with input_files.open_file(path, "metadata file") as f:
             return f.read(SNIFF_BYTES)
-    except OSError:
+    except (OSError, HpckptError):
         return b""
 
 

@@ -89,7 +89,7 @@ def _check_files(index: CheckpointIndex, findings: list[Finding]) -> set[str]:
             findings.append(_error(exc, file=name))
             bad.add(name)
             continue
-        if not path.is_file() or not os.access(path, os.R_OK):
+        if not path.is_file() or (isinstance(path, Path) and not os.access(path, os.R_OK)):
             what = "is missing" if not path.exists() else "cannot be read"
             findings.append(Finding("missing-file", "error", f"{name}: data file {what}", file=name))
             bad.add(name)

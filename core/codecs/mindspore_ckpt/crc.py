@@ -17,6 +17,8 @@ from pathlib import Path
 from hpckpt.core.codecs.mindspore_ckpt.scan import _open, _trailer
 from hpckpt.core.errors import CorruptDataError
 from hpckpt.core.io import checksums
+from hpckpt.core.storage.urls import as_path
+from hpckpt.core.storage.readers import file_size, handle_of
 
 def verify_crc(path: Path | str) -> bool:
     """Check the CRC trailer by streaming the file; False when there is no trailer.
@@ -24,15 +26,16 @@ def verify_crc(path: Path | str) -> bool:
     Raises:
         CorruptDataError: the CRC-32 of the bytes before the trailer differs from the stored one.
     """
-    path = Path(path)
+    path = as_path(path)
     with _open(path) as f:
-        size = os.fstat(f.fileno()).st_size
+        size = file_size(f)
         proto_end, stored = _trailer(f, size)
         if stored is None:
             return False
         if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(f.fileno(), 0, proto_end, os.POSIX_FADV_SEQUENTIAL)
-        computed = checksums.crc_of_range(f.fileno(), 0, proto_end, path)
+            if isinstance(handle_of(f), int):
+                os.posix_fadvise(f.fileno(), 0, proto_end, os.POSIX_FADV_SEQUENTIAL)
+        computed = checksums.crc_of_range(handle_of(f), 0, proto_end, path)
     if computed != stored:
         raise CorruptDataError(
             f"{path}: CRC-32 mismatch: the trailer says {stored:#010x}, the {proto_end} bytes "

@@ -4,7 +4,6 @@ hpckpt does not read, where the CRC trailer is (checked by `crc`); and the reads
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -16,6 +15,8 @@ from hpckpt.core.errors import CorruptDataError, MissingFileError, UnknownFormat
 from hpckpt.core.geometry.box import Box, full_box
 from hpckpt.core.geometry.layout import decompose_flat_interval
 from hpckpt.core.io.read import open_data_file
+from hpckpt.core.storage.urls import as_path
+from hpckpt.core.storage.readers import file_size, handle_of, pread
 
 CRC_MARK = b"crc_num"
 CRC_TRAILER_BYTES = len(CRC_MARK) + 10
@@ -223,10 +224,10 @@ def scan(path: Path | str) -> CkptScan:
         UnknownFormatError: the file is encrypted.
         CorruptDataError: truncated or malformed, with the offset where it goes wrong.
     """
-    path = Path(path)
+    path = as_path(path)
     with _open(path) as f:
         try:
-            size = os.fstat(f.fileno()).st_size
+            size = file_size(f)
             _refuse_encrypted(path, f.read(4))
             proto_end, crc = _trailer(f, size)
             f.seek(0)
@@ -249,9 +250,9 @@ def decode_string(raw: bytes, where: str) -> str:
 
 def read_string(path: Path | str, entry: CkptString) -> str:
     """Read and decode one `str` value (a few bytes, with one pread)."""
-    path = Path(path)
+    path = as_path(path)
     with _open(path) as f:
-        data = os.pread(f.fileno(), entry.nbytes, entry.offset)
+        data = pread(handle_of(f), entry.nbytes, entry.offset)
     if len(data) != entry.nbytes:
         raise CorruptDataError(f"{path}: truncated: str value {entry.name!r} needs bytes "
                                f"[{entry.offset}, {entry.offset + entry.nbytes})")

@@ -1,0 +1,287 @@
+"""One bucket of an object store, through obstore (the Python binding of the Rust `object_store`
+crate): ranged reads issued concurrently, multipart uploads in parallel, conditional creates,
+S3, GCS and Azure in one package, with retries and backoff built in (README, "Object storage").
+
+Settings come from the standard places: `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
+`AWS_SESSION_TOKEN`, `AWS_REGION`, `AWS_ENDPOINT_URL` (an `http://` endpoint is allowed as given),
+`AWS_PROFILE` (read through boto3, when installed), and the `GOOGLE_*` / `AZURE_*` variables of
+the other stores. Retries: `HPCKPT_STORE_RETRIES` (default 10) within
+`HPCKPT_STORE_RETRY_SECONDS` (default 180) per request.
+
+Every error of the client becomes one of hpckpt's: a missing object `MissingFileError` (exit 8),
+anything else the store said or could not say (no such bucket, access denied, no answer)
+`StorageError` (exit 27), with the store's own words trimmed to one line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from hpckpt.core.errors import ExtraNotInstalledError, HpckptError, MissingFileError, StorageError
+
+#: Reads larger than this go out as concurrent ranged GETs of this size.
+READ_PIECE = 8 << 20
+#: Objects up to this size are read whole, once, and kept (the last `SMALL_CACHED` of them): a
+#: `.metadata` is sniffed, then read; a small file's header and data are two reads.
+SMALL_OBJECT, SMALL_CACHED = 1 << 20, 64
+#: ... and of a larger object, its first `HEAD_BYTES` (where every format keeps its header).
+HEAD_BYTES = 64 << 10
+#: Multipart uploads: part size and parts in flight per object (their product bounds the memory).
+UPLOAD_PART, UPLOAD_CONCURRENCY = 8 << 20, 8
+
+T = TypeVar("T")
+_STORES: dict[tuple[str, str], "ObjectStore"] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def _obstore() -> Any:
+    try:
+        import obstore
+    except ImportError:
+        raise ExtraNotInstalledError(
+            "URLs need hpckpt's object-store client, which is not installed",
+            hint="pip install 'hpckpt[s3]' (local paths work without it)") from None
+    return obstore
+
+
+def _number(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    try:
+        return float(raw) if raw else default
+    except ValueError:
+        from hpckpt.core.errors import UsageError
+
+        raise UsageError(f"{name}={raw!r} is not a number") from None
+
+
+def connect(scheme: str, bucket: str) -> "ObjectStore":
+    """The store of `scheme://bucket`, one per process (its listings are cached)."""
+    with _STORES_LOCK:
+        store = _STORES.get((scheme, bucket))
+        if store is None:
+            store = _STORES[(scheme, bucket)] = ObjectStore(scheme, bucket)
+        return store
+
+
+def forget_stores() -> None:
+    """Drop every connection and cached listing (tests that restart the server)."""
+    with _STORES_LOCK:
+        _STORES.clear()
+
+
+class ObjectStore:
+    """A bucket: listings cached per prefix, and every call's errors turned into hpckpt's."""
+
+    def __init__(self, scheme: str, bucket: str):
+        obstore = _obstore()
+        from obstore.store import from_url
+
+        self.scheme, self.bucket = scheme, bucket
+        self.url_root = f"{scheme}://{bucket}"
+        self._ob = obstore
+        options: dict[str, Any] = {}
+        endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+        if endpoint.startswith("http://"):
+            options["allow_http"] = True
+        retry = {"max_retries": int(_number("HPCKPT_STORE_RETRIES", 10)),
+                 "retry_timeout": timedelta(seconds=_number("HPCKPT_STORE_RETRY_SECONDS", 180))}
+        kwargs: dict[str, Any] = {"client_options": options, "retry_config": retry}
+        if scheme == "s3" and os.environ.get("AWS_PROFILE") and not os.environ.get("AWS_ACCESS_KEY_ID"):
+            kwargs["credential_provider"] = _profile_credentials()
+        self._store = self._call(f"{self.url_root}: cannot set up the client", lambda: from_url(self.url_root, **kwargs))
+        self._lock = threading.Lock()
+        self._listings: dict[str, tuple[dict[str, int], set[str]]] = {}
+        self._objects: dict[tuple[str, int], bytes] = {}  # small objects read whole (`_small`)
+
+    # -- errors --------------------------------------------------------------------------------
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except HpckptError:
+            raise
+        except FileNotFoundError as exc:
+            raise MissingFileError(f"{what}: not found", hint=_hint(exc)) from None
+        except Exception as exc:  # obstore's errors, connection errors
+            raise StorageError(f"{what}: {_one_line(exc)}", hint=_hint(exc)) from None
+
+    # -- listing -------------------------------------------------------------------------------
+
+    def listing(self, key: str) -> tuple[dict[str, int], set[str]]:
+        """The objects (name -> size) and sub-prefixes directly under `key/`, listed once."""
+        with self._lock:
+            cached = self._listings.get(key)
+        if cached is not None:
+            return cached
+        prefix = f"{key}/" if key else None
+        result = self._call(f"{self.url_root}/{key}: cannot list",
+                            lambda: self._ob.list_with_delimiter(self._store, prefix))
+        files = {meta["path"].rpartition("/")[2]: int(meta["size"]) for meta in result["objects"]}
+        dirs = {p.rstrip("/").rpartition("/")[2] for p in result["common_prefixes"]}
+        with self._lock:
+            self._listings[key] = (files, dirs)
+        return files, dirs
+
+    def size(self, key: str) -> int | None:
+        """The object's size, or None when there is none (from the parent's listing if listed)."""
+        parent, _, name = key.rpartition("/")
+        with self._lock:
+            cached = self._listings.get(parent)
+        if cached is not None:
+            return cached[0].get(name)
+        try:
+            meta = self._call(f"{self.url_root}/{key}", lambda: self._ob.head(self._store, key))
+        except MissingFileError:
+            return None
+        return int(meta["size"])
+
+    def is_prefix(self, key: str) -> bool:
+        files, dirs = self.listing(key)
+        return bool(files or dirs)
+
+    def walk(self, key: str) -> dict[str, int]:
+        """Every object under `key/`, at any depth: relative name -> size (not cached)."""
+        prefix = f"{key}/" if key else ""
+        out: dict[str, int] = {}
+        for batch in self._call(f"{self.url_root}/{key}: cannot list",
+                                lambda: list(self._ob.list(self._store, prefix or None, chunk_size=1000))):
+            for meta in batch:
+                out[meta["path"][len(prefix):]] = int(meta["size"])
+        return out
+
+    def forget(self, key: str) -> None:
+        """Drop cached listings that `key` (written or deleted) changes."""
+        with self._lock:
+            for cached in [c for c in self._objects if c[0] == key]:
+                del self._objects[cached]
+            parts = key.split("/")
+            for i in range(len(parts)):
+                self._listings.pop("/".join(parts[:i]), None)
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def read_into(self, key: str, offset: int, buf: memoryview, size: int) -> int:
+        """Fill `buf` from byte `offset` of an object of `size` bytes; returns how many bytes there
+        were (fewer at the end of the object). Large reads go out as concurrent ranged GETs."""
+        n = max(0, min(len(buf), size - offset))
+        if n == 0:
+            return 0
+        where = f"{self.url_root}/{key}"
+        if size <= SMALL_OBJECT or offset + n <= HEAD_BYTES:  # metadata, small files, headers: fetched once
+            whole = self._small(key, size)
+            got = max(0, min(n, len(whole) - offset))
+            buf[:got] = whole[offset:offset + got]
+            return got
+        if n <= READ_PIECE:
+            data = self._call(where, lambda: self._ob.get_range(self._store, key, start=offset, length=n))
+            buf[:len(data)] = memoryview(data)
+            return len(data)
+        starts = list(range(offset, offset + n, READ_PIECE))
+        lengths = [min(READ_PIECE, offset + n - s) for s in starts]
+        pieces = self._call(where, lambda: self._ob.get_ranges(self._store, key, starts=starts, lengths=lengths))
+        done = 0
+        for piece in pieces:
+            view = memoryview(piece)
+            buf[done:done + len(view)] = view
+            done += len(view)
+        return done
+
+    def _small(self, key: str, size: int) -> bytes:
+        with self._lock:
+            cached = self._objects.get((key, size))
+        if cached is None:
+            if size <= SMALL_OBJECT:
+                cached = self.read_all(key)
+            else:  # the head of a large object: what format sniffing and header parsing read
+                cached = bytes(self._call(f"{self.url_root}/{key}", lambda: self._ob.get_range(
+                    self._store, key, start=0, length=HEAD_BYTES)))
+            with self._lock:
+                self._objects[(key, size)] = cached
+                while len(self._objects) > SMALL_CACHED:
+                    self._objects.pop(next(iter(self._objects)))
+        return cached
+
+    def read_all(self, key: str) -> bytes:
+        return bytes(self._call(f"{self.url_root}/{key}", lambda: self._ob.get(self._store, key).bytes()))
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def upload(self, key: str, source: Path) -> None:
+        """A local file as an object: multipart, `UPLOAD_CONCURRENCY` parts in flight."""
+        self._call(f"{self.url_root}/{key}: cannot write", lambda: self._ob.put(
+            self._store, key, Path(source), chunk_size=UPLOAD_PART, max_concurrency=UPLOAD_CONCURRENCY))
+        self.forget(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        """Write a small object in one request."""
+        self._call(f"{self.url_root}/{key}: cannot write",
+                   lambda: self._ob.put(self._store, key, data, use_multipart=False))
+        self.forget(key)
+
+    def create(self, key: str, data: bytes) -> bool:
+        """Write a small object only if none exists (a conditional write, `If-None-Match: *`):
+        False when one did."""
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        try:
+            self._ob.put(self._store, key, data, mode="create", use_multipart=False)
+        except (AlreadyExistsError, PreconditionError):
+            return False
+        except Exception as exc:
+            raise StorageError(f"{self.url_root}/{key}: cannot write: {_one_line(exc)}", hint=_hint(exc)) from None
+        finally:
+            self.forget(key)
+        return True
+
+    def delete(self, keys: list[str]) -> None:
+        if not keys:
+            return
+        self._call(f"{self.url_root}: cannot delete {len(keys)} object(s)",
+                   lambda: self._ob.delete(self._store, list(keys)))
+        for key in keys:
+            self.forget(key)
+
+
+def _profile_credentials() -> Any:
+    try:
+        from obstore.auth.boto3 import Boto3CredentialProvider
+        import boto3
+    except ImportError:
+        raise ExtraNotInstalledError("AWS_PROFILE is set: reading a profile needs boto3, which is not installed",
+                                     hint="pip install boto3, or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY") from None
+    return Boto3CredentialProvider(boto3.Session())
+
+
+_CODE = re.compile(r"<Code>([^<]+)</Code>")
+
+
+def _one_line(exc: BaseException) -> str:
+    """The store's answer in one line: its error code if it gave one, else the first line."""
+    text = str(exc)
+    code = _CODE.search(text)
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    first = re.sub(r"\s+", " ", first)[:300]
+    status = re.search(r"status code: (\d{3}[^:]*)", text)
+    if code:
+        return f"{code.group(1)}" + (f" ({status.group(1).strip()})" if status else "")
+    if "error sending request" in text or "Connection refused" in text or "tcp connect" in text:
+        return "the endpoint does not answer (" + first + ")"
+    return first
+
+
+def _hint(exc: BaseException) -> str | None:
+    text = str(exc)
+    if "NoSuchBucket" in text:
+        return "the bucket does not exist: create it, or check the URL and AWS_ENDPOINT_URL"
+    if "AccessDenied" in text or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text or "403" in text:
+        return "access denied: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and the bucket's policy"
+    if "error sending request" in text or "Connection refused" in text:
+        return "check AWS_ENDPOINT_URL and the network"
+    return None
+
+

@@ -1,0 +1,235 @@
+"""Checkpoints in object storage, against a real S3-compatible server (moto's server mode on
+127.0.0.1, started here) and a fault-injecting proxy in front of it (`s3_proxy.py`).
+
+What is proven: every offline command reads `s3://` sources and writes `s3://` destinations, and
+what it writes is byte for byte what it writes locally (manifests compared without the fields that
+name the run); `inspect` reads no data object; transient faults (503, a body cut off, slow answers)
+are retried; a missing bucket, an unreachable endpoint and a URL without the extra installed give
+one line and a documented exit code; two writers to one prefix cannot both succeed; what a killed
+write left is reported and removed by the next write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+from typer.testing import CliRunner
+
+import s3_proxy
+import s3_server
+from _util import normalized_tree, file_tree
+
+from hpckpt.cli.app import app
+from hpckpt.core.storage.object_store import forget_stores
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "tiny-hp"
+FIXTURES = REPO / "tests" / "fixtures" / "hyperparallel"
+BUCKET = "hpckpt-tests"
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv, endpoint = s3_server.start()
+    saved = {k: os.environ.get(k) for k in s3_server.environment(endpoint)}
+    os.environ.update(s3_server.environment(endpoint))
+    s3 = s3_server.client(endpoint)
+    s3.create_bucket(Bucket=BUCKET)
+    s3_server.upload_tree(s3, EXAMPLE, BUCKET, "tiny-hp")
+    s3_server.upload_tree(s3, FIXTURES / "m0-torch-4rank", BUCKET, "m0-torch-4rank")
+    forget_stores()
+    yield endpoint, s3
+    forget_stores()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    srv.stop()
+
+
+def hpckpt(*args: str, code: int = 0) -> str:
+    result = runner.invoke(app, list(args))
+    assert result.exit_code == code, (args, result.exit_code, result.output)
+    return result.output
+
+
+def objects(s3, prefix: str) -> dict[str, bytes]:
+    return s3_server.download_tree(s3, BUCKET, prefix, None)
+
+
+def url(key: str) -> str:
+    return f"s3://{BUCKET}/{key}"
+
+
+def test_reading_commands_read_a_store_as_a_directory(server, tmp_path):
+    _endpoint, s3 = server
+    for name, local in (("tiny-hp", EXAMPLE), ("m0-torch-4rank", FIXTURES / "m0-torch-4rank")):
+        remote = json.loads(hpckpt("inspect", url(name), "--json"))
+        here = json.loads(hpckpt("inspect", str(local), "--json"))
+        assert remote.pop("path") == url(name) and here.pop("path") == str(local)
+        assert remote == here
+        assert json.loads(hpckpt("verify", "--deep", url(name), "--json"))["ok"] is True
+        assert "0 differ" in hpckpt("diff", url(name), str(local))
+    # checksum writes the manifest object; verify then checks the data against it
+    s3_server.upload_tree(s3, FIXTURES / "m0-torch-4rank", BUCKET, "sums")
+    forget_stores()
+    hpckpt("checksum", url("sums"))
+    assert ".hpckpt-manifest.jsonl" in objects(s3, "sums")
+    assert json.loads(hpckpt("verify", "--deep", url("sums"), "--json"))["ok"] is True
+    # a damaged data object is found
+    name = next(n for n in objects(s3, "sums") if n.endswith(".safetensors"))
+    data = bytearray(objects(s3, "sums")[name])
+    data[-1] ^= 0xFF
+    s3.put_object(Bucket=BUCKET, Key=f"sums/{name}", Body=bytes(data))
+    forget_stores()
+    hpckpt("verify", "--deep", url("sums"), code=9)
+
+
+def test_writes_to_a_store_are_the_local_bytes(server, tmp_path):
+    """reshard, consolidate and convert, local -> s3, s3 -> s3 and s3 -> local: the objects are the
+    files the same command writes locally."""
+    _endpoint, s3 = server
+    cases = [
+        ("reshard", "--world-size", "3"),
+        ("consolidate", "--format", "safetensors"),
+        ("convert", "--to", "torch-dcp"),
+        ("convert", "--to", "hf", "--max-shard-size", "1KB"),
+    ]
+    for i, (command, *options) in enumerate(cases):
+        single = "safetensors" in options
+        name = f"out{i}.safetensors" if single else f"out{i}"
+        local = tmp_path / name
+        hpckpt(command, str(EXAMPLE), "-o", str(local), *options)
+        expected = {local.name: local.read_bytes(), **{p.name: p.read_bytes() for p in tmp_path.glob(f"out{i}.*") if p != local}} \
+            if single else file_tree(local)
+        for source, dest in ((str(EXAMPLE), f"a/{name}"), (url("tiny-hp"), f"b/{name}")):
+            hpckpt(command, source, "-o", url(dest), *options)
+            if single:
+                got = {k.rpartition("/")[2]: v for k, v in objects(s3, dest.rpartition("/")[0]).items()
+                       if k.startswith(f"out{i}.")}
+            else:
+                got = objects(s3, dest)
+            assert normalized_tree(got) == normalized_tree(expected), (command, source, dest)
+            assert ".hpckpt-writing" not in "".join(got)
+        back = tmp_path / f"back{i}"
+        if not single:
+            hpckpt("reshard" if command == "reshard" else "convert", url(f"b/{name}"), "-o", str(back),
+                   *(options if command == "reshard" else ("--to", "hp")))
+            assert json.loads(hpckpt("verify", "--deep", str(back), "--json"))["ok"] is True
+    # an existing destination: refused, then replaced with --force (the old objects gone)
+    hpckpt("reshard", url("tiny-hp"), "-o", url("b/out0"), "--world-size", "2", code=14)
+    hpckpt("reshard", url("tiny-hp"), "-o", url("b/out0"), "--world-size", "2", "--force")
+    assert sorted(n for n in objects(s3, "b/out0") if n.endswith(".safetensors")) == \
+        ["_rank0_.safetensors", "_rank1_.safetensors"]
+    # the destination may not be the source, lie inside it or contain it
+    hpckpt("reshard", url("tiny-hp"), "-o", url("tiny-hp"), "--world-size", "2", "--force", code=16)
+    hpckpt("reshard", url("tiny-hp"), "-o", url("tiny-hp/inner"), "--world-size", "2", code=16)
+
+
+def test_inspect_reads_no_data_object_and_faults_are_retried(server, tmp_path, monkeypatch):
+    endpoint, s3 = server
+    with s3_proxy.Proxy(endpoint) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        forget_stores()
+        # a HyperParallel checkpoint is inspected from its .metadata alone; a safetensors file from
+        # its header (one 64 KiB range), never the tensors behind it
+        hpckpt("inspect", url("m0-torch-4rank"), "--no-values")
+        read = {k: n for k, n in proxy.body_bytes.items() if k != f"/{BUCKET}"}  # (not the listings)
+        metadata = f"/{BUCKET}/m0-torch-4rank/.metadata"
+        assert read == {metadata: len(objects(s3, "m0-torch-4rank")[".metadata"])}, read
+        big = tmp_path / "big.safetensors"
+        save_file({f"t{i}": np.full((1024, 1024), i, np.float32) for i in range(8)}, str(big))
+        s3.upload_file(str(big), BUCKET, "single/big.safetensors")
+        hpckpt("inspect", url("single/big.safetensors"))
+        assert proxy.body_bytes[f"/{BUCKET}/single/big.safetensors"] <= 64 << 10, proxy.body_bytes
+        # 503s, a body cut off half-way and slow answers: retried, and the result is right
+        proxy.faults.add("503", contains="_rank0_.safetensors", count=2)
+        proxy.faults.add("reset", contains="_rank1_.safetensors", count=1)
+        proxy.faults.add("slow", contains=".metadata", count=1, delay=1.0)
+        proxy.faults.add("503", method="PUT", contains="faulty", count=2)
+        forget_stores()
+        hpckpt("reshard", url("m0-torch-4rank"), "-o", url("faulty"), "--world-size", "2")
+        assert proxy.faults.left() == 0
+        hpckpt("reshard", str(FIXTURES / "m0-torch-4rank"), "-o", str(tmp_path / "here"), "--world-size", "2")
+        assert normalized_tree(objects(s3, "faulty")) == normalized_tree(file_tree(tmp_path / "here"))
+    forget_stores()
+
+
+def test_refusals_are_one_line_with_their_exit_code(server, tmp_path, monkeypatch):
+    _endpoint, s3 = server
+    out = hpckpt("inspect", "s3://no-such-bucket-here/ckpt", code=27)
+    assert "NoSuchBucket" in out and "Traceback" not in out
+    hpckpt("inspect", url("nothing/here"), code=3)
+    hpckpt("inspect", "ftp://host/x", code=2)
+    # a write to a missing bucket leaves nothing behind
+    hpckpt("reshard", str(EXAMPLE), "-o", "s3://no-such-bucket-here/x", "--world-size", "1", code=27)
+    # an endpoint that does not answer: one line once the retries are spent
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("HPCKPT_STORE_RETRY_SECONDS", "1")
+    forget_stores()
+    out = hpckpt("inspect", url("tiny-hp"), code=27)
+    assert "does not answer" in out, out
+    forget_stores()
+    # without the extra: a URL names what to install; --help and local commands import none of it
+    probe = ("import sys; sys.modules['obstore'] = None; sys.argv = ['hpckpt'] + sys.argv[1:];"
+             "from hpckpt.cli.app import main; main()")
+    done = subprocess.run([sys.executable, "-c", probe, "inspect", url("tiny-hp")], capture_output=True, text=True)
+    assert done.returncode == 26 and "pip install 'hpckpt[s3]'" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 2  # the error and its hint
+    check = ("import sys; from typer.testing import CliRunner; from hpckpt.cli.app import app;"
+             f"r = CliRunner().invoke(app, ['inspect', {str(EXAMPLE)!r}]); assert r.exit_code == 0, r.output;"
+             "r = CliRunner().invoke(app, ['--help']); assert r.exit_code == 0;"
+             "print(sorted(m for m in sys.modules if m.startswith(('obstore', 'hpckpt.core.storage.object_store'))))")
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr)
+
+
+def test_two_writers_and_a_killed_write(server, tmp_path):
+    endpoint, s3 = server
+    # another run's mark (another host): refused; --force takes it over
+    s3.put_object(Bucket=BUCKET, Key="busy/.hpckpt-writing",
+                  Body=json.dumps({"host": "elsewhere", "pid": 1, "token": "x", "started": time.time(),
+                                   "names": ["_rank0_.safetensors"]}).encode())
+    s3.put_object(Bucket=BUCKET, Key="busy/_rank0_.safetensors", Body=b"half")
+    forget_stores()
+    out = hpckpt("inspect", url("busy"), code=4)
+    assert "unfinished hpckpt write" in out and "elsewhere" in out, out
+    out = hpckpt("reshard", str(EXAMPLE), "-o", url("busy"), "--world-size", "1", code=17)
+    assert "another hpckpt run is writing it" in out
+    hpckpt("reshard", str(EXAMPLE), "-o", url("busy"), "--world-size", "1", "--force")
+    assert json.loads(hpckpt("verify", "--deep", url("busy"), "--json"))["ok"] is True
+    # kill -9 while the data objects go up (slowed by the proxy): the mark stays, inspect says so,
+    # and the next write removes what it left and completes
+    big = tmp_path / "big.safetensors"
+    save_file({"w": np.arange(3 << 20, dtype=np.float32), "b": np.ones((64, 1024), np.float32)}, str(big))
+    with s3_proxy.Proxy(endpoint) as proxy:
+        proxy.faults.add("slow", method="PUT", contains="killed/", count=1000, delay=0.5)
+        proxy.faults.add("slow", method="POST", contains="killed/", count=1000, delay=0.5)
+        env = {**os.environ, **s3_server.environment(proxy.endpoint)}
+        job = subprocess.Popen([sys.executable, "-m", "hpckpt", "reshard", str(big), "-o", url("killed"),
+                                "--world-size", "2"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 60
+        while time.time() < deadline and not any("killed/_rank" in p and m in ("PUT", "POST")
+                                                 for m, p, _ in list(proxy.requests)):
+            time.sleep(0.05)
+        job.send_signal(signal.SIGKILL)
+        job.wait()
+    forget_stores()
+    left = objects(s3, "killed")
+    assert ".hpckpt-writing" in left and ".metadata" not in left, sorted(left)
+    out = hpckpt("verify", url("killed"), code=4)
+    assert "no longer running" in out, out
+    hpckpt("reshard", str(big), "-o", url("killed"), "--world-size", "2")
+    hpckpt("reshard", str(big), "-o", str(tmp_path / "here"), "--world-size", "2")
+    assert normalized_tree(objects(s3, "killed")) == normalized_tree(file_tree(tmp_path / "here"))
