@@ -46,6 +46,8 @@ class Proxy:
         self.faults = Faults()
         self.body_bytes: Counter[str] = Counter()  # object key -> response body bytes sent
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
+        self.lock = threading.Lock()
+        self.in_flight = 0  # requests being handled (a killed client's may still reach the server)
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -55,6 +57,15 @@ class Proxy:
                 pass
 
             def _forward(self):
+                with proxy.lock:
+                    proxy.in_flight += 1
+                try:
+                    self._relay()
+                finally:
+                    with proxy.lock:
+                        proxy.in_flight -= 1
+
+            def _relay(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 proxy.requests.append((self.command, self.path, self.headers.get("Range")))
@@ -104,6 +115,12 @@ class Proxy:
     def endpoint(self) -> str:
         host, port = self.server.server_address[:2]
         return f"http://{host}:{port}"
+
+    def settle(self, timeout: float = 30.0) -> None:
+        """Wait until no request is being handled: what a killed client had sent lands first."""
+        deadline = time.time() + timeout
+        while self.in_flight and time.time() < deadline:
+            time.sleep(0.05)
 
     def __enter__(self) -> "Proxy":
         self.thread.start()

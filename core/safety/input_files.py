@@ -128,7 +128,8 @@ def open_handle(path: Path, what: str = "data file", error: type[HpckptError] | 
     """`open_fd`, or for an object an `ObjectReader` (`core.storage.readers`): read either with
     `read_at`, close it with `close_handle`."""
     if _is_object(path):
-        return ObjectReader(path, _check_object(path, what, error).st_size)
+        _check_object(path, what, error)
+        return ObjectReader(path, path.store.info(path.key))
     return open_fd(path, what, error)
 
 

@@ -20,12 +20,13 @@ import re
 import threading
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, NamedTuple, TypeVar
 
-from hpckpt.core.errors import ExtraNotInstalledError, HpckptError, MissingFileError, StorageError
+from hpckpt.core.errors import CorruptDataError, ExtraNotInstalledError, HpckptError, MissingFileError, StorageError
 
-#: Reads larger than this go out as concurrent ranged GETs of this size.
-READ_PIECE = 8 << 20
+#: Reads larger than this go out as ranged GETs of this size, up to `READS_IN_FLIGHT` at once.
+READ_PIECE, READS_IN_FLIGHT = 8 << 20, 8
 #: Objects up to this size are read whole, once, and kept (the last `SMALL_CACHED` of them): a
 #: `.metadata` is sniffed, then read; a small file's header and data are two reads.
 SMALL_OBJECT, SMALL_CACHED = 1 << 20, 64
@@ -35,6 +36,15 @@ HEAD_BYTES = 64 << 10
 UPLOAD_PART, UPLOAD_CONCURRENCY = 8 << 20, 8
 
 T = TypeVar("T")
+
+
+class ObjectInfo(NamedTuple):
+    """An object as listed: its size and entity tag (every read of it is conditional on the tag,
+    so an object replaced while a command reads it is an error, never a mix of two versions)."""
+
+    size: int
+    etag: str | None
+
 _STORES: dict[tuple[str, str], "ObjectStore"] = {}
 _STORES_LOCK = threading.Lock()
 
@@ -95,8 +105,9 @@ class ObjectStore:
             kwargs["credential_provider"] = _profile_credentials()
         self._store = self._call(f"{self.url_root}: cannot set up the client", lambda: from_url(self.url_root, **kwargs))
         self._lock = threading.Lock()
-        self._listings: dict[str, tuple[dict[str, int], set[str]]] = {}
-        self._objects: dict[tuple[str, int], bytes] = {}  # small objects read whole (`_small`)
+        self._listings: dict[str, tuple[dict[str, ObjectInfo], set[str]]] = {}
+        self._objects: dict[tuple[str, ObjectInfo], bytes] = {}  # small objects and heads (`_small`)
+        self._pool = ThreadPoolExecutor(READS_IN_FLIGHT, thread_name_prefix="hpckpt-get")
 
     # -- errors --------------------------------------------------------------------------------
 
@@ -112,8 +123,8 @@ class ObjectStore:
 
     # -- listing -------------------------------------------------------------------------------
 
-    def listing(self, key: str) -> tuple[dict[str, int], set[str]]:
-        """The objects (name -> size) and sub-prefixes directly under `key/`, listed once."""
+    def listing(self, key: str) -> tuple[dict[str, ObjectInfo], set[str]]:
+        """The objects (name -> size and tag) and sub-prefixes directly under `key/`, listed once."""
         with self._lock:
             cached = self._listings.get(key)
         if cached is not None:
@@ -121,14 +132,16 @@ class ObjectStore:
         prefix = f"{key}/" if key else None
         result = self._call(f"{self.url_root}/{key}: cannot list",
                             lambda: self._ob.list_with_delimiter(self._store, prefix))
-        files = {meta["path"].rpartition("/")[2]: int(meta["size"]) for meta in result["objects"]}
+        files = {meta["path"].rpartition("/")[2]: ObjectInfo(int(meta["size"]), meta.get("e_tag"))
+                 for meta in result["objects"]}
         dirs = {p.rstrip("/").rpartition("/")[2] for p in result["common_prefixes"]}
         with self._lock:
             self._listings[key] = (files, dirs)
         return files, dirs
 
-    def size(self, key: str) -> int | None:
-        """The object's size, or None when there is none (from the parent's listing if listed)."""
+    def info(self, key: str) -> ObjectInfo | None:
+        """The object's size and tag, None when there is none (from the parent's listing if listed,
+        else a HEAD)."""
         parent, _, name = key.rpartition("/")
         with self._lock:
             cached = self._listings.get(parent)
@@ -138,7 +151,11 @@ class ObjectStore:
             meta = self._call(f"{self.url_root}/{key}", lambda: self._ob.head(self._store, key))
         except MissingFileError:
             return None
-        return int(meta["size"])
+        return ObjectInfo(int(meta["size"]), meta.get("e_tag"))
+
+    def size(self, key: str) -> int | None:
+        found = self.info(key)
+        return None if found is None else found.size
 
     def is_prefix(self, key: str) -> bool:
         files, dirs = self.listing(key)
@@ -165,43 +182,56 @@ class ObjectStore:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    def read_into(self, key: str, offset: int, buf: memoryview, size: int) -> int:
-        """Fill `buf` from byte `offset` of an object of `size` bytes; returns how many bytes there
-        were (fewer at the end of the object). Large reads go out as concurrent ranged GETs."""
-        n = max(0, min(len(buf), size - offset))
+    def read_into(self, key: str, offset: int, buf: memoryview, info: ObjectInfo) -> int:
+        """Fill `buf` from byte `offset` of the object as `info` lists it; returns how many bytes
+        there were (fewer at its end). Large reads go out as `READ_PIECE` ranges, several at once.
+
+        Raises:
+            CorruptDataError: the object changed since it was listed (its tag no longer matches).
+        """
+        n = max(0, min(len(buf), info.size - offset))
         if n == 0:
             return 0
-        where = f"{self.url_root}/{key}"
-        if size <= SMALL_OBJECT or offset + n <= HEAD_BYTES:  # metadata, small files, headers: fetched once
-            whole = self._small(key, size)
+        if info.size <= SMALL_OBJECT or offset + n <= HEAD_BYTES:  # metadata, small files, headers: fetched once
+            whole = self._small(key, info)
             got = max(0, min(n, len(whole) - offset))
             buf[:got] = whole[offset:offset + got]
             return got
-        if n <= READ_PIECE:
-            data = self._call(where, lambda: self._ob.get_range(self._store, key, start=offset, length=n))
-            buf[:len(data)] = memoryview(data)
-            return len(data)
         starts = list(range(offset, offset + n, READ_PIECE))
-        lengths = [min(READ_PIECE, offset + n - s) for s in starts]
-        pieces = self._call(where, lambda: self._ob.get_ranges(self._store, key, starts=starts, lengths=lengths))
-        done = 0
-        for piece in pieces:
-            view = memoryview(piece)
-            buf[done:done + len(view)] = view
-            done += len(view)
-        return done
+        pieces = [(s, min(s + READ_PIECE, offset + n)) for s in starts]
 
-    def _small(self, key: str, size: int) -> bytes:
+        def fetch(piece: tuple[int, int]) -> int:
+            data = memoryview(self._get(key, info, piece))
+            buf[piece[0] - offset:piece[0] - offset + len(data)] = data
+            return len(data)
+
+        if len(pieces) == 1:
+            return fetch(pieces[0])
+        return sum(self._pool.map(fetch, pieces))
+
+    def _get(self, key: str, info: ObjectInfo, byte_range: tuple[int, int]):
+        options: dict[str, Any] = {"range": byte_range}
+        if info.etag:
+            options["if_match"] = info.etag
+        from obstore.exceptions import PreconditionError
+
+        where = f"{self.url_root}/{key}"
+        try:
+            return self._call(where, lambda: self._ob.get(self._store, key, options=options).bytes())
+        except StorageError as exc:
+            if isinstance(exc.__context__, PreconditionError) or "412" in exc.message:
+                raise CorruptDataError(f"{where}: the object changed while it was being read",
+                                       hint="another run replaced it: run the command again") from None
+            raise
+
+    def _small(self, key: str, info: ObjectInfo) -> bytes:
         with self._lock:
-            cached = self._objects.get((key, size))
+            cached = self._objects.get((key, info))
         if cached is None:
-            if size <= SMALL_OBJECT:
-                cached = self.read_all(key)
-            else:  # the head of a large object: what format sniffing and header parsing read
-                cached = bytes(self._call(f"{self.url_root}/{key}", lambda: self._ob.get_range(
-                    self._store, key, start=0, length=HEAD_BYTES)))
+            end = info.size if info.size <= SMALL_OBJECT else min(info.size, HEAD_BYTES)
+            cached = bytes(self._get(key, info, (0, end)))
             with self._lock:
-                self._objects[(key, size)] = cached
+                self._objects[(key, info)] = cached
                 while len(self._objects) > SMALL_CACHED:
                     self._objects.pop(next(iter(self._objects)))
         return cached

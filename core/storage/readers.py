@@ -11,19 +11,25 @@ from typing import TYPE_CHECKING, Union
 
 if TYPE_CHECKING:
     from hpckpt.core.storage.object_path import ObjectPath
+    from hpckpt.core.storage.object_store import ObjectInfo
 
 
 class ObjectReader:
-    """An object opened for ranged reads: its size is fixed when opened (from the listing or a
-    HEAD), so a read past it is a short read, as on a truncated file."""
+    """An object opened for ranged reads: its size and tag are fixed when opened (from the
+    listing or a HEAD), so a read past its end is a short read, as on a truncated file, and a
+    read of an object replaced since is an error (`core.storage.object_store`)."""
 
-    __slots__ = ("path", "size")
+    __slots__ = ("path", "info")
 
-    def __init__(self, path: "ObjectPath", size: int):
-        self.path, self.size = path, size
+    def __init__(self, path: "ObjectPath", info: "ObjectInfo"):
+        self.path, self.info = path, info
+
+    @property
+    def size(self) -> int:
+        return self.info.size
 
     def read_into(self, view: memoryview, offset: int) -> int:
-        return self.path.store.read_into(self.path.key, offset, view, self.size)
+        return self.path.store.read_into(self.path.key, offset, view, self.info)
 
 
 Handle = Union[int, ObjectReader]
