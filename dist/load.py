@@ -24,6 +24,7 @@ from hpckpt.core.errors import EntryMismatchError
 from hpckpt.core.geometry.assign import least_loaded
 from hpckpt.core.geometry.box import Box
 from hpckpt.core.io.read import OpenFiles, read_box
+from hpckpt.core.storage.urls import as_path
 from hpckpt.dist import frameworks
 from hpckpt.dist.call_forms import checkpoint_path, refuse_torch_only
 from hpckpt.dist.flatten import flatten, set_path
@@ -104,7 +105,7 @@ def load(state_dict: Any, checkpoint_id: str | Path | None = None, *, process_gr
     fw = frameworks.of_state(flat)
     job = this_job(fw, process_group, need_collectives=True, no_dist=no_dist)
     me = job.global_rank(job.rank)
-    path = Path(checkpoint_id)
+    path = as_path(checkpoint_id)
     with reading(path):
         index = open_index(path)
         targets: list[_Target] = []

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 from hpckpt.converters.hyperparallel.writer import tensor_file, values_file
 from hpckpt.core.commit import manifest
 from hpckpt.core.commit.durable import write_error
+from hpckpt.core.commit.object_staging import UPLOAD_FILES, WRITING
 from hpckpt.core.commit.rank_local import publish_rank_part
 from hpckpt.core.errors import HpckptError, SaveError
 from hpckpt.core.io.accounting import check_written
@@ -30,14 +33,18 @@ def persist(planned: PlannedSave) -> SaveResult:
     """Steps 4-5; the staging directory and its lock are released whatever happens (removed
     unless committed)."""
     with planned.resources:
-        if planned.request.coordination == "none":
-            return _persist_rank_local(planned)
-        for _attempt in range(3):
-            try:
-                return _persist_together(planned)
-            except Restarted:  # the coordinator replaced a killed attempt's directory we had joined
-                planned = plan_again(planned)
-        raise SaveError("storage coordination: the coordinator restarted the save three times")
+        try:
+            if planned.request.coordination == "none":
+                return _persist_rank_local(planned)
+            for _attempt in range(3):
+                try:
+                    return _persist_together(planned)
+                except Restarted:  # the coordinator replaced a killed attempt's directory we had joined
+                    planned = plan_again(planned)
+            raise SaveError("storage coordination: the coordinator restarted the save three times")
+        finally:
+            if planned.request.spool is not None:
+                shutil.rmtree(planned.request.spool, ignore_errors=True)
 
 
 def _write_own(planned: PlannedSave, plan, directory: Path, lengths) -> tuple[list[list], int, Finished, list]:
@@ -78,6 +85,8 @@ def _persist_together(planned: PlannedSave) -> SaveResult:
         mine["files"], mine["bytes"], _finished, digests = _write_own(planned, plan, request.staging_path,
                                                                       gp.value_lengths)
         mine["digests"] = manifest_parts.write_part(request.staging_path, rank, digests)
+        if request.spool is not None:  # a store: this rank's files and manifest part go up now
+            _upload_own(request, [name for name, _ in mine["files"]] + [manifest_parts.part_name(rank)])
     except Exception as exc:
         mine["error"], own_error = error_text(exc), exc
     writing = time.perf_counter() - t0
@@ -111,10 +120,56 @@ def _persist_together(planned: PlannedSave) -> SaveResult:
                       blocked=time.perf_counter() - request.started)
 
 
+def _upload_own(request, names: list[str]) -> None:
+    """Upload this rank's files from its spool to their final keys (several at once, each in
+    parallel parts), removing each local copy once it is up."""
+    def up(name: str) -> None:
+        local = request.spool / name
+        request.path.store.upload((request.path / name).key, local)
+        local.unlink()
+
+    with ThreadPoolExecutor(UPLOAD_FILES) as pool:
+        list(pool.map(up, names))
+
+
+def _commit_objects(planned: PlannedSave, answers: list[dict]) -> None:
+    """`_commit` for a checkpoint in an object store: every data object there with the size its
+    rank reported, objects of an earlier save gone, the ranks' manifest parts joined, the
+    manifest, `.metadata` last (`core.commit.object_staging`)."""
+    request, staging = planned.request, planned.staging
+    full = planned.global_plan.plan()
+    writer = request.format.writer(request.framework.NAME, planned.global_plan.value_lengths, None)
+    expected = set(writer.expected_files(full))
+    reported = {name: size for a in answers for name, size in a["files"]}
+    store, root = request.path.store, request.path
+    listed = store.walk(root.key)
+    for name in sorted(expected):
+        if reported.get(name) is None or listed.get(name) != reported[name]:
+            raise SaveError(f"{root / name}: expected with {reported.get(name)} bytes, found {listed.get(name)}")
+    parts = [manifest_parts.part_name(r) for r in range(len(answers))]
+    for name in parts:
+        (staging.path / name).write_bytes(store.read_all((root / name).key))
+    stale = [n for n in listed if n not in expected and n not in parts and n != WRITING]
+    store.delete([(root / n).key for n in stale])
+    layout = lay_out(replace(full, producing=()), {}, writer)
+    metadata = writer.finish({}).metadata
+    staging.write_metadata(metadata)
+    written = request.format.reader().read_index(staging.path)  # the metadata as a loader will read it
+    check_written(full, layout, written)
+    files = [tuple(d) for a in answers for d in a.get("digests") or ()]
+    manifest_parts.write_manifest(staging.path, format_name=request.format.name, world_size=request.job.world_size,
+                                  files=files, metadata=metadata, written=written)
+    staging.commit()
+    store.delete([(root / n).key for n in parts])
+
+
 def _commit(planned: PlannedSave, answers: list[dict]) -> None:
     """The coordinator: every data file there with the size its rank reported, protocol and
     stale files gone, `.metadata` last, one rename."""
     request = planned.request
+    if request.spool is not None:
+        _commit_objects(planned, answers)
+        return
     full = planned.global_plan.plan()
     writer = request.format.writer(request.framework.NAME, planned.global_plan.value_lengths, None)
     layout = lay_out(replace(full, producing=()), {}, writer)

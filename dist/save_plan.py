@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import tempfile
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpckpt.core.commit.staging import Staging, shared_staging
+from hpckpt.core.commit.staging import Staging, shared_staging, staging_for
 from hpckpt.core.dtypes import dtype as parse_dtype
 from hpckpt.core.errors import HpckptError, SaveError, UnsafePickleError, UnsupportedDTypeError
 from hpckpt.core.geometry.global_plan import DEDUP_MODES, GlobalPlan, LocalPlan, LocalValue, build_global_plan, plan_key
 from hpckpt.core.geometry.plan import Plan, PlannedValue, plan_as_given
 from hpckpt.core.io.memory_source import MemoryTensor
+from hpckpt.core.storage.object_path import is_object
+from hpckpt.core.storage.urls import as_path
 from hpckpt.dist import frameworks
 from hpckpt.dist.coordination import (
     DEFAULT_TIMEOUT,
@@ -133,6 +136,7 @@ class SaveRequest:
     started: float
     local: _Local | None
     local_error: BaseException | None
+    spool: Path | None = None  # a checkpoint in an object store: this rank's local files, uploaded from here
 
     @property
     def is_coordinator(self) -> bool:
@@ -140,7 +144,8 @@ class SaveRequest:
 
     @property
     def staging_path(self) -> Path:
-        return shared_staging(self.path)
+        """Where this rank writes its files: the shared staging directory, or its spool."""
+        return self.spool if self.spool is not None else shared_staging(self.path)
 
     def storage(self, nonce: str, token: str) -> Storage:
         return Storage(self.staging_path, self.job.rank, self.job.world_size, nonce, self.timeout,
@@ -169,18 +174,27 @@ def describe(state_dict, checkpoint_id, *, process_group, coordinator, coordinat
     # an async save under a launcher that names the job plans on its thread through files, so the
     # caller waits for nothing but its own copy
     exchange = coordination
-    if asynchronous and coordination == "collectives" and job.world_size > 1 and job_identity():
+    path = as_path(checkpoint_id)
+    remote = is_object(path)
+    if remote and coordination == "storage":
+        raise ValueError("coordination='storage' exchanges files through a shared file system; a checkpoint in "
+                         "an object store is saved with coordination='collectives' (or 'none')")
+    if asynchronous and coordination == "collectives" and job.world_size > 1 and job_identity() and not remote:
         exchange = "storage"
     if local_error is None:
         try:
             local = _describe(flat, paths, framework, job.rank, job.global_rank(job.rank), stage=asynchronous, fmt=fmt)
         except Exception as exc:  # reported to every rank in the first exchange
             local_error = exc
-    return SaveRequest(path=Path(checkpoint_id).absolute(), job=job, framework=framework, format=fmt,
+    if remote and asynchronous:
+        raise ValueError("async_save to an object store is not supported yet: use save(), or async_save to a "
+                         "local or shared directory")
+    return SaveRequest(path=path if remote else path.absolute(), job=job, framework=framework, format=fmt,
                        coordination=coordination, exchange=exchange, dedup=dedup, coordinator=coordinator,
                        use_cache=plan_cache and coordination != "none", asynchronous=asynchronous,
                        timeout=DEFAULT_TIMEOUT if timeout is None else float(timeout), progress=progress,
-                       started=started, local=local, local_error=local_error)
+                       started=started, local=local, local_error=local_error,
+                       spool=Path(tempfile.mkdtemp(prefix="hpckpt-save-spool-")) if remote else None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,9 +256,10 @@ def _save_id(path: Path, job: Job) -> str:
 
 def _open_staging(request: SaveRequest, resources: ExitStack, save_id: str) -> tuple[Staging, str]:
     """The coordinator: the destination locked, a fresh shared staging directory, its nonce."""
-    staging = resources.enter_context(Staging(request.path, force=True, sync=True, parents=True, shared=True))
+    staging = resources.enter_context(staging_for(request.path, force=True, sync=True, parents=True, shared=True))
     nonce = new_nonce()
-    write_json(staging.path / START, {"nonce": nonce, "save": save_id})
+    if request.spool is None:  # (an object store's save exchanges over the process group only)
+        write_json(staging.path / START, {"nonce": nonce, "save": save_id})
     return staging, nonce
 
 

@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 
 import s3_proxy
 import s3_server
-from _util import normalized_tree, file_tree
+from _util import file_tree, normalized_tree, run_torchrun
 
 from hpckpt.cli.app import app
 from hpckpt.core.storage.object_store import forget_stores
@@ -254,3 +254,21 @@ def test_two_writers_and_a_killed_write(server, tmp_path):
     hpckpt("reshard", str(big), "-o", url("killed"), "--world-size", "2")
     hpckpt("reshard", str(big), "-o", str(tmp_path / "here"), "--world-size", "2")
     assert normalized_tree(objects(s3, "killed")) == normalized_tree(file_tree(tmp_path / "here"))
+
+
+@pytest.mark.dist
+def test_live_save_and_load_through_a_store(server, tmp_path):
+    """`hpckpt.dist.save` from 4 torchrun ranks to `s3://`, the same bytes as to a directory;
+    `hpckpt.dist.load` into 2 ranks from `s3://`, every value as saved; the command line reads it."""
+    endpoint, s3 = server
+    env = {**os.environ, **s3_server.environment(endpoint)}
+    job = REPO / "tests" / "dist_scripts" / "object_store_job.py"
+    rc, out = run_torchrun(4, [str(job), "save", url("live"), str(tmp_path / "local")], tmp_path / "save.log",
+                           env, timeout=240)
+    assert rc == 0 and out.count(": OK") == 4, out
+    got, here = objects(s3, "live"), file_tree(tmp_path / "local")
+    assert normalized_tree(got) == normalized_tree(here), sorted(got)
+    rc, out = run_torchrun(2, [str(job), "load", url("live")], tmp_path / "load.log", env, timeout=240)
+    assert rc == 0 and out.count(": OK") == 2, out
+    forget_stores()
+    assert json.loads(hpckpt("verify", "--deep", url("live"), "--json"))["ok"] is True

@@ -70,7 +70,7 @@ from hpckpt.core.storage.object_path import is_object
 
 
 def staging_for(dest, *, source=None, force: bool = False, sync: bool = True, file_output: bool = False,
-                parents: bool = False, needed: int = 0):
+                parents: bool = False, needed: int = 0, shared: bool = False):
     """`Staging` for a local destination, `ObjectStaging` (`core.commit.object_staging`) for an
     object in a store: one protocol, `path` to fill, `write_metadata`, `commit`."""
     if is_object(dest):
@@ -78,7 +78,7 @@ def staging_for(dest, *, source=None, force: bool = False, sync: bool = True, fi
 
         return ObjectStaging(dest, source=source, force=force, file_output=file_output, needed=needed)
     return Staging(dest, source=source, force=force, sync=sync, file_output=file_output, parents=parents,
-                   needed=needed)
+                   needed=needed, shared=shared)
 
 
 def shared_staging(dest: Path) -> Path:
