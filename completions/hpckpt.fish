@@ -211,7 +211,7 @@ complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcomma
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from selftest' -l help -s h -d 'Show this message and exit.'
 
 # hpckpt run save
-complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from save' -l output -s o -r -F -d 'The checkpoint to write (HyperParallel DCP).'
+complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from save' -l output -s o -r -F -d 'The checkpoint to write (HyperParallel DCP; a path or an s3:// URL).'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from save' -l size -x -d 'Synthetic tensors of this total size (e.g. 1.5GiB).'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from save' -l dtype -x -a 'bf16 fp16 fp32 fp64 bfloat16 float16 float32 float64' -d 'The weights\' dtype (--size; default bf16, moments stay fp32), or a cast of --from\'s floating tensors.'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from save' -l from -r -F -d 'Save the tensors of this checkpoint (any format hpckpt reads).'

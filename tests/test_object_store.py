@@ -100,15 +100,16 @@ def test_writes_to_a_store_are_the_local_bytes(server, tmp_path):
     """reshard, consolidate and convert, local -> s3, s3 -> s3 and s3 -> local: the objects are the
     files the same command writes locally."""
     _endpoint, s3 = server
-    cases = [
-        ("reshard", "--world-size", "3"),
-        ("consolidate", "--format", "safetensors"),
-        ("convert", "--to", "torch-dcp"),
-        ("convert", "--to", "hf", "--max-shard-size", "1KB"),
+    cases = [  # (command, the output's extension for a single file, options)
+        ("reshard", "", "--world-size", "3"),
+        ("consolidate", ".safetensors", "--format", "safetensors"),
+        ("convert", "", "--to", "torch-dcp"),
+        ("convert", "", "--to", "hf", "--max-shard-size", "1KB"),
+        ("convert-ms-torch", ".ckpt", "--to", "mindspore"),
     ]
-    for i, (command, *options) in enumerate(cases):
-        single = "safetensors" in options
-        name = f"out{i}.safetensors" if single else f"out{i}"
+    for i, (command, extension, *options) in enumerate(cases):
+        single = bool(extension)
+        name = f"out{i}{extension}"
         local = tmp_path / name
         hpckpt(command, str(EXAMPLE), "-o", str(local), *options)
         expected = {local.name: local.read_bytes(), **{p.name: p.read_bytes() for p in tmp_path.glob(f"out{i}.*") if p != local}} \
@@ -272,3 +273,12 @@ def test_live_save_and_load_through_a_store(server, tmp_path):
     assert rc == 0 and out.count(": OK") == 2, out
     forget_stores()
     assert json.loads(hpckpt("verify", "--deep", url("live"), "--json"))["ok"] is True
+    # `hpckpt run`: a load checked box by box against an independent read, from the store
+    done = subprocess.run([sys.executable, "-m", "hpckpt", "run", "--nproc-per-node", "2", "--log-dir",
+                           str(tmp_path / "run"), "load", url("live"), "--check"], env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0 and "load done on 2 ranks" in done.stdout + done.stderr, done.stdout + done.stderr
+    # its reshard fills a destination in place, which a store cannot offer: refused before launching
+    out = hpckpt("run", "--nproc-per-node", "2", "reshard", url("live"), "-o", url("elsewhere"),
+                 "--world-size", "1", code=2)
+    assert "object store" in out

@@ -10,10 +10,14 @@ from pathlib import Path
 
 import typer
 
+from hpckpt.core.storage.object_path import is_object
+
 
 def absolute(path: Path | None) -> str | None:
-    """Paths reach the workers absolute: a launcher may start them elsewhere."""
-    return str(Path(path).expanduser().absolute()) if path is not None else None
+    """Paths reach the workers absolute: a launcher may start them elsewhere (a URL as it is)."""
+    if path is None:
+        return None
+    return str(path) if is_object(path) else str(Path(path).expanduser().absolute())
 
 
 def size(text: str | None, option: str) -> int | None:
@@ -83,16 +87,22 @@ def paths(spec: dict) -> None:
     Raises:
         PathNotFoundError, DestinationExistsError, UnsafeDestinationError.
     """
-    import os
-
     import hpckpt.converters  # noqa: F401 - registers what a destination check asks of the formats
     from hpckpt.core.commit.destination import refuse_existing, refuse_unsafe
     from hpckpt.core.errors import PathNotFoundError
 
+    from hpckpt.core.errors import DestinationExistsError
+    from hpckpt.core.storage.urls import as_path, lexists
+
     source = spec.get("ckpt") or spec.get("src") or spec.get("from")
-    if source and not os.path.lexists(source):
+    source = as_path(source) if source else None
+    if source is not None and not lexists(source):
         raise PathNotFoundError(f"{source}: no such file or directory")
     if spec["job"] in ("save", "reshard") and spec.get("out"):
-        out = Path(spec["out"])
-        refuse_unsafe(out, Path(source) if source else None)
+        out = as_path(spec["out"])
+        if is_object(out):  # (the commit checks the rest: core.commit.object_staging)
+            if out.is_dir() and not spec.get("force"):
+                raise DestinationExistsError(f"{out} exists", hint="pass --force to replace it")
+            return
+        refuse_unsafe(out, source)
         refuse_existing(out, bool(spec.get("force")))

@@ -9,10 +9,11 @@ from typing import Annotated, Literal, Optional
 import typer
 
 from hpckpt.cli import _options as opt
-from hpckpt.cli._errors import handles_errors
+from hpckpt.cli._errors import handles_errors, location
 from hpckpt.cli._option_groups import RankLayout, Select, TargetLayout, Write, expand_options
 from hpckpt.cli.run import checks
 from hpckpt.cli.run.start import start
+from hpckpt.core.storage.object_path import is_object
 
 Coordination = Literal["collectives", "storage", "none"]
 
@@ -39,11 +40,11 @@ def selftest(
 @expand_options
 def save(
     ctx: typer.Context,
-    out: Annotated[Path, typer.Option("--output", "-o", help="The checkpoint to write (HyperParallel DCP).")],
+    out: Annotated[Path, typer.Option("--output", "-o", parser=location, help="The checkpoint to write (HyperParallel DCP; a path or an s3:// URL).")],
     size: Annotated[Optional[str], typer.Option("--size", help="Synthetic tensors of this total size (e.g. 1.5GiB).")] = None,
     dtype: Annotated[Optional[opt.DTypeName], typer.Option(
         "--dtype", help="The weights' dtype (--size; default bf16, moments stay fp32), or a cast of --from's floating tensors.")] = None,
-    src: Annotated[Optional[Path], typer.Option("--from", help="Save the tensors of this checkpoint (any format hpckpt reads).")] = None,
+    src: Annotated[Optional[Path], typer.Option("--from", parser=location, help="Save the tensors of this checkpoint (any format hpckpt reads).")] = None,
     layout: RankLayout = RankLayout(),
     coordination: Annotated[Coordination, typer.Option("--coordination", help="How the ranks agree on the plan.")] = "collectives",
     async_save: Annotated[bool, typer.Option("--async", help="Save in the background (async_save) and wait for it.")] = False,
@@ -64,7 +65,7 @@ def save(
 @expand_options
 def load(
     ctx: typer.Context,
-    ckpt: Annotated[Path, typer.Argument(help="The checkpoint to load (any format hpckpt reads).")],
+    ckpt: Annotated[Path, typer.Argument(parser=location, help="The checkpoint to load (any format hpckpt reads; a path or an s3:// URL).")],
     layout: RankLayout = RankLayout(),
     check: Annotated[bool, typer.Option("--check", help="Compare every loaded box with the checkpoint's bytes.")] = False,
     strict: Annotated[bool, typer.Option("--strict/--no-strict", help="Fail on a tensor missing from the checkpoint.")] = True,
@@ -80,7 +81,7 @@ def load(
 def reshard(
     ctx: typer.Context,
     src: opt.Source,
-    out: Annotated[Path, typer.Option("--output", "-o", help="Destination directory (HyperParallel DCP).")],
+    out: Annotated[Path, typer.Option("--output", "-o", parser=location, help="Destination directory (HyperParallel DCP).")],
     layout: TargetLayout = TargetLayout(),
     select: Select = Select(),
     dtype: opt.DType = None,
@@ -88,6 +89,10 @@ def reshard(
     write: Write = Write(),
 ) -> None:
     """The offline reshard spread over the workers: each writes its share of the target ranks."""
+    if is_object(out):
+        raise typer.BadParameter("the workers of `hpckpt run reshard` fill the destination in place, which an "
+                                 "object store cannot offer: write to a directory, or use `hpckpt reshard` "
+                                 "(which writes to s3:// itself)", param_hint="'--output'")
     layout.check()
     checks.size(write.max_memory, "--max-memory")
     start(ctx, {"job": "reshard", "src": checks.absolute(src), "out": checks.absolute(out),

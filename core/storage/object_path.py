@@ -24,6 +24,7 @@ class ObjectStat:
 
     st_size: int
     st_mode: int = stat_module.S_IFREG | 0o444
+    st_mtime: float = 0.0
 
 
 def _normalize(key: str) -> str:
@@ -164,12 +165,12 @@ class ObjectPath:
         return False
 
     def stat(self) -> ObjectStat:
-        size = self.store.size(self.key) if self.key else None
-        if size is None:
+        info = self.store.info(self.key) if self.key else None
+        if info is None:
             if self.is_dir():
                 return ObjectStat(0, stat_module.S_IFDIR | 0o555)
             raise FileNotFoundError(f"{self}: no such object")
-        return ObjectStat(size)
+        return ObjectStat(info.size, st_mtime=info.mtime)
 
     lstat = stat
 

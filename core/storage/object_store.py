@@ -44,6 +44,7 @@ class ObjectInfo(NamedTuple):
 
     size: int
     etag: str | None
+    mtime: float = 0.0  # last modified, seconds since the epoch
 
 _STORES: dict[tuple[str, str], "ObjectStore"] = {}
 _STORES_LOCK = threading.Lock()
@@ -132,8 +133,7 @@ class ObjectStore:
         prefix = f"{key}/" if key else None
         result = self._call(f"{self.url_root}/{key}: cannot list",
                             lambda: self._ob.list_with_delimiter(self._store, prefix))
-        files = {meta["path"].rpartition("/")[2]: ObjectInfo(int(meta["size"]), meta.get("e_tag"))
-                 for meta in result["objects"]}
+        files = {meta["path"].rpartition("/")[2]: _info(meta) for meta in result["objects"]}
         dirs = {p.rstrip("/").rpartition("/")[2] for p in result["common_prefixes"]}
         with self._lock:
             self._listings[key] = (files, dirs)
@@ -151,7 +151,7 @@ class ObjectStore:
             meta = self._call(f"{self.url_root}/{key}", lambda: self._ob.head(self._store, key))
         except MissingFileError:
             return None
-        return ObjectInfo(int(meta["size"]), meta.get("e_tag"))
+        return _info(meta)
 
     def size(self, key: str) -> int | None:
         found = self.info(key)
@@ -275,6 +275,11 @@ class ObjectStore:
                    lambda: self._ob.delete(self._store, list(keys)))
         for key in keys:
             self.forget(key)
+
+
+def _info(meta: dict) -> ObjectInfo:
+    modified = meta.get("last_modified")
+    return ObjectInfo(int(meta["size"]), meta.get("e_tag"), modified.timestamp() if modified is not None else 0.0)
 
 
 def _profile_credentials() -> Any:

@@ -25,6 +25,7 @@ from pathlib import Path
 from hpckpt.core.commit.set_aside import SetAside
 from hpckpt.core.errors import HpckptError, ReshardOptionError, WorkerFailedError
 from hpckpt.core.geometry.assign import least_loaded
+from hpckpt.core.storage.urls import as_path
 
 COORDINATOR = 0
 
@@ -98,7 +99,7 @@ class _Job:
         from hpckpt.api import Selection, WriteSettings, parse_size
 
         self.spec, self.ctx = spec, ctx
-        self.src, self.dst = Path(spec["src"]), Path(spec["out"])
+        self.src, self.dst = as_path(spec["src"]), Path(spec["out"])
         self.select = Selection.of(spec.get("include"), spec.get("exclude"))
         self.settings = WriteSettings(max_memory=parse_size(spec.get("max_memory") or "64MiB"),
                                       sync=not spec.get("no_fsync"), parents=bool(spec.get("parents")),
