@@ -59,7 +59,8 @@ def _write_own(planned: PlannedSave, plan, directory: Path, lengths) -> tuple[li
     if request.progress is not None:
         request.progress.start(layout.nbytes)
     try:
-        done, finished = fill(layout, source, writer, directory, WriteSettings(sync=True, progress=request.progress))
+        sync = request.spool is None  # (a spool is scratch: the store makes the objects durable)
+        done, finished = fill(layout, source, writer, directory, WriteSettings(sync=sync, progress=request.progress))
     except BaseException as exc:
         for f in layout.files:  # what this rank began: on a full disk, the room to report the error
             (directory / f.name).unlink(missing_ok=True)

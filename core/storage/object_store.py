@@ -26,14 +26,15 @@ from typing import Any, Callable, NamedTuple, TypeVar
 from hpckpt.core.errors import CorruptDataError, ExtraNotInstalledError, HpckptError, MissingFileError, StorageError
 
 #: Reads larger than this go out as ranged GETs of this size, up to `READS_IN_FLIGHT` at once.
-READ_PIECE, READS_IN_FLIGHT = 8 << 20, 8
+READ_PIECE, READS_IN_FLIGHT = 16 << 20, 8
 #: Objects up to this size are read whole, once, and kept (the last `SMALL_CACHED` of them): a
 #: `.metadata` is sniffed, then read; a small file's header and data are two reads.
 SMALL_OBJECT, SMALL_CACHED = 1 << 20, 64
 #: ... and of a larger object, its first `HEAD_BYTES` (where every format keeps its header).
 HEAD_BYTES = 64 << 10
-#: Multipart uploads: part size and parts in flight per object (their product bounds the memory).
-UPLOAD_PART, UPLOAD_CONCURRENCY = 8 << 20, 8
+#: Multipart uploads: part size and parts in flight per object (their product bounds the memory);
+#: a file up to `SINGLE_PUT` goes up in one request (fewer requests, no parts to assemble).
+UPLOAD_PART, UPLOAD_CONCURRENCY, SINGLE_PUT = 8 << 20, 8, 16 << 20
 
 T = TypeVar("T")
 
@@ -242,9 +243,15 @@ class ObjectStore:
     # -- writes --------------------------------------------------------------------------------
 
     def upload(self, key: str, source: Path) -> None:
-        """A local file as an object: multipart, `UPLOAD_CONCURRENCY` parts in flight."""
-        self._call(f"{self.url_root}/{key}: cannot write", lambda: self._ob.put(
-            self._store, key, Path(source), chunk_size=UPLOAD_PART, max_concurrency=UPLOAD_CONCURRENCY))
+        """A local file as an object: up to `SINGLE_PUT` bytes in one request, larger ones
+        multipart with `UPLOAD_CONCURRENCY` parts in flight."""
+        where = f"{self.url_root}/{key}: cannot write"
+        if Path(source).stat().st_size <= SINGLE_PUT:
+            data = Path(source).read_bytes()
+            self._call(where, lambda: self._ob.put(self._store, key, data, use_multipart=False))
+        else:
+            self._call(where, lambda: self._ob.put(self._store, key, Path(source), chunk_size=UPLOAD_PART,
+                                                   max_concurrency=UPLOAD_CONCURRENCY))
         self.forget(key)
 
     def put(self, key: str, data: bytes) -> None:
