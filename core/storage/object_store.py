@@ -34,7 +34,7 @@ SMALL_OBJECT, SMALL_CACHED = 1 << 20, 64
 HEAD_BYTES = 64 << 10
 #: Multipart uploads: part size and parts in flight per object (their product bounds the memory);
 #: a file up to `SINGLE_PUT` goes up in one request (fewer requests, no parts to assemble).
-UPLOAD_PART, UPLOAD_CONCURRENCY, SINGLE_PUT = 8 << 20, 8, 16 << 20
+UPLOAD_PART, UPLOAD_CONCURRENCY, SINGLE_PUT = 8 << 20, 4, 16 << 20
 
 T = TypeVar("T")
 
