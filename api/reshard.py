@@ -15,6 +15,7 @@ from hpckpt.core.commit.lock import holds_source
 from hpckpt.core.geometry.layout import LayoutSpec
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.io.write import WriteSettings
+from hpckpt.core.storage.urls import as_path
 
 
 @holds_source
@@ -43,5 +44,6 @@ def finalize(dst: str | Path) -> FinalizeReport:
         CorruptMetadataError: the fragments come from different plans.
         MissingFileError: some rank's files are missing (the message names one).
     """
-    data, metadata = fan_out.finalize(Path(dst))
-    return FinalizeReport(str(dst), tuple(str(Path(dst) / name) for name in (*data, *metadata)), len(data))
+    dst = as_path(dst)
+    data, metadata = fan_out.finalize(dst)
+    return FinalizeReport(str(dst), tuple(str(dst / name) for name in (*data, *metadata)), len(data))

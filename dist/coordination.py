@@ -19,6 +19,7 @@ verdict it could compute itself.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import time
@@ -87,10 +88,12 @@ class Storage:
     """
 
     kind = "storage"
+    #: whether the others learn of the commit from the staging directory's rename (`confirm_and_wait`)
+    confirms_by_rename = True
 
     def __init__(self, directory: Path, rank: int, world_size: int, nonce: str, timeout: float, *,
                  coordinator: int = 0, token: str = ""):
-        self.directory, self.rank, self.world_size = Path(directory), rank, world_size
+        self.directory, self.rank, self.world_size = directory, rank, world_size
         self.nonce, self.timeout, self.coordinator = nonce, timeout, coordinator
         self.token = token or new_nonce()
 
@@ -175,6 +178,35 @@ class Storage:
         found[self.coordinator] = coordinator
         found[self.rank] = {"data": obj}
         return [found[r]["data"] for r in range(self.world_size)]
+
+
+class ObjectExchange(Storage):
+    """`Storage` through objects beside a checkpoint in an object store (`.NAME.hpckpt-exchange/`),
+    for an async save there: the same phases, files and tokens, each written whole by a PUT and
+    polled by GETs. The nonce comes from the plan, agreed over the process group in the caller, so
+    there is no start file and no restart; the commit's outcome is one more phase (no rename to
+    watch). The objects stay (a few small ones per rank), overwritten by the next save."""
+
+    confirms_by_rename = False
+
+    def publish(self, phase: str, obj: Any, tokens: dict | None = None) -> None:
+        doc = {"nonce": self.nonce, "token": self.token, "data": obj}
+        if tokens is not None:
+            doc["tokens"] = tokens
+        path = self._path(phase, self.rank)
+        path.store.put(path.key, json.dumps(doc, separators=(",", ":")).encode())
+
+    def _read(self, phase: str, rank: int) -> dict | None:
+        path = self._path(phase, rank)
+        raw = path.store.read_fresh(path.key)
+        try:
+            doc = json.loads(raw) if raw is not None else None
+        except ValueError:
+            return None
+        return doc if isinstance(doc, dict) and doc.get("nonce") == self.nonce else None
+
+    def _check_restarted(self) -> None:
+        pass
 
 
 def _identity(path: Path) -> tuple[int, int] | None:

@@ -95,7 +95,8 @@ def _persist_together(planned: PlannedSave) -> SaveResult:
     if own_error is not None:
         raise own_error  # this rank's own error as it is; the others raise a SaveError naming this rank
     raise_reported(answers, "save failed while writing")
-    if isinstance(exchange, Storage):  # the coordinator renames only after every rank has seen this
+    renames = isinstance(exchange, Storage) and exchange.confirms_by_rename
+    if renames:  # the coordinator renames only after every rank has seen this
         if request.is_coordinator:
             exchange.all_gather("seen", {}, "confirm the reports")
         elif not confirm_and_wait(exchange, "seen", request.path):
@@ -107,7 +108,7 @@ def _persist_together(planned: PlannedSave) -> SaveResult:
             _commit(planned, answers)
         except Exception as exc:
             committed_error = exc
-    if not isinstance(exchange, Storage):
+    if not renames:
         outcome = exchange.all_gather("outcome", {"error": error_text(committed_error) if committed_error else None})
         raise_reported(outcome, "save failed at the commit")
     elif committed_error is not None:

@@ -29,6 +29,7 @@ from hpckpt.dist.coordination import (
     DEFAULT_TIMEOUT,
     START,
     Restarted,
+    ObjectExchange,
     Storage,
     new_nonce,
     wait_for_start,
@@ -148,6 +149,9 @@ class SaveRequest:
         return self.spool if self.spool is not None else shared_staging(self.path)
 
     def storage(self, nonce: str, token: str) -> Storage:
+        if self.spool is not None:  # a store: exchange objects beside the checkpoint
+            return ObjectExchange(self.path.parent / f".{self.path.name}.hpckpt-exchange", self.job.rank,
+                                  self.job.world_size, nonce, self.timeout, coordinator=self.coordinator, token=token)
         return Storage(self.staging_path, self.job.rank, self.job.world_size, nonce, self.timeout,
                        coordinator=self.coordinator, token=token)
 
@@ -186,9 +190,6 @@ def describe(state_dict, checkpoint_id, *, process_group, coordinator, coordinat
             local = _describe(flat, paths, framework, job.rank, job.global_rank(job.rank), stage=asynchronous, fmt=fmt)
         except Exception as exc:  # reported to every rank in the first exchange
             local_error = exc
-    if remote and asynchronous:
-        raise ValueError("async_save to an object store is not supported yet: use save(), or async_save to a "
-                         "local or shared directory")
     return SaveRequest(path=path if remote else path.absolute(), job=job, framework=framework, format=fmt,
                        coordination=coordination, exchange=exchange, dedup=dedup, coordinator=coordinator,
                        use_cache=plan_cache and coordination != "none", asynchronous=asynchronous,

@@ -173,6 +173,11 @@ def test_refusals_are_one_line_with_their_exit_code(server, tmp_path, monkeypatc
     assert "NoSuchBucket" in out and "Traceback" not in out
     hpckpt("inspect", url("nothing/here"), code=3)
     hpckpt("inspect", "ftp://host/x", code=2)
+    # a reshard fanned out over several jobs fills a directory in place: not a store (yet), said so
+    assert "object store" in hpckpt("reshard", url("tiny-hp"), "-o", url("fan"), "--world-size", "2", "--rank", "0",
+                                    code=2)
+    hpckpt("reshard", "--finalize", url("fan"), code=2)
+    assert objects(s3, "fan") == {}
     # a write to a missing bucket leaves nothing behind
     hpckpt("reshard", str(EXAMPLE), "-o", "s3://no-such-bucket-here/x", "--world-size", "1", code=27)
     # an endpoint that does not answer: one line once the retries are spent
@@ -259,7 +264,7 @@ def test_two_writers_and_a_killed_write(server, tmp_path):
 
 @pytest.mark.dist
 def test_live_save_and_load_through_a_store(server, tmp_path):
-    """`hpckpt.dist.save` from 4 torchrun ranks to `s3://`, the same bytes as to a directory;
+    """`hpckpt.dist.save` and `async_save` from 4 torchrun ranks to `s3://`, the same bytes as to a directory;
     `hpckpt.dist.load` into 2 ranks from `s3://`, every value as saved; the command line reads it."""
     endpoint, s3 = server
     env = {**os.environ, **s3_server.environment(endpoint)}
@@ -269,6 +274,9 @@ def test_live_save_and_load_through_a_store(server, tmp_path):
     assert rc == 0 and out.count(": OK") == 4, out
     got, here = objects(s3, "live"), file_tree(tmp_path / "local")
     assert normalized_tree(got) == normalized_tree(here), sorted(got)
+    assert normalized_tree(objects(s3, "live-async")) == normalized_tree(here)
+    exchange = objects(s3, ".live-async.hpckpt-exchange")  # what the async save exchanged: JSON only
+    assert exchange and all(name.startswith(".hpckpt-") and name.endswith(".json") for name in exchange), sorted(exchange)
     rc, out = run_torchrun(2, [str(job), "load", url("live")], tmp_path / "load.log", env, timeout=240)
     assert rc == 0 and out.count(": OK") == 2, out
     forget_stores()

@@ -32,7 +32,9 @@ from hpckpt.core.errors import (
     HpckptError,
     MissingFileError,
     NotACheckpointError,
+    UsageError,
 )
+from hpckpt.core.storage.object_path import is_object
 
 
 def _identity(path: Path) -> list[int]:
@@ -51,6 +53,7 @@ class Fragment:
 
     def __init__(self, dest: Path, *, source: Path | None = None, sync: bool = True, parents: bool = False,
                  needed: int = 0):
+        refuse_object_store(dest)
         self.dest = Path(dest)
         self.sync = sync
         self.fragments = self.dest / FRAGMENT_DIR
@@ -126,6 +129,19 @@ class Fragment:
             self._lock.release()
 
 
+def refuse_object_store(dest) -> None:
+    """A fan-out's jobs fill one destination in place and leave their records there for
+    `finalize`; for an object store that is not built yet, and a URL is refused as a usage error.
+
+    Raises:
+        UsageError: `dest` is an object in a store.
+    """
+    if is_object(dest):
+        raise UsageError(f"{dest}: --rank and --finalize (a reshard fanned out over several jobs) write into a "
+                         "local or shared directory only, not yet into an object store",
+                         hint="reshard to the store in one run (without --rank), or fan out into a shared directory")
+
+
 def finalize(dest: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Write the metadata of a fanned-out output once every data file of its plan is there, as
     its job wrote it; return the names of its data files and of the metadata files written.
@@ -135,8 +151,10 @@ def finalize(dest: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
         CorruptMetadataError: the fragments come from different plans.
         MissingFileError: some files are missing (the message names one).
         CorruptDataError: a file was changed (truncated, replaced) after its job wrote it.
+        UsageError: `dest` is in an object store (`refuse_object_store`).
         DestinationLockedError: a job is still writing into `dest`.
     """
+    refuse_object_store(dest)
     dest = Path(dest)
     try:
         with DestinationLock(dest):

@@ -237,6 +237,13 @@ class ObjectStore:
                     self._objects.pop(next(iter(self._objects)))
         return cached
 
+    def read_fresh(self, key: str) -> bytes | None:
+        """The object's bytes as they are now (no listing, no cache), None when there is none."""
+        try:
+            return self.read_all(key)
+        except MissingFileError:
+            return None
+
     def read_all(self, key: str) -> bytes:
         return bytes(self._call(f"{self.url_root}/{key}", lambda: self._ob.get(self._store, key).bytes()))
 

@@ -5,7 +5,8 @@ tests/test_object_store.py (the server's address and credentials come in the env
     torchrun --nproc-per-node 2 object_store_job.py load URL
 
 `save`: an FSDP2-sharded model, a replicated table and values, saved with `hpckpt.dist.save` to URL
-and to LOCAL_DIR (the test compares the objects with the files). `load`: the same model sharded
+and to LOCAL_DIR, and with `hpckpt.dist.async_save` to URL-async (the test compares the objects
+with the files). `load`: the same model sharded
 over this job's ranks, from another seed, loaded from URL with `hpckpt.dist.load` and compared,
 whole, with the saved one. Each rank prints `rank R: OK` or `rank R: FAIL ...` and exits 0 or 1.
 """
@@ -54,6 +55,9 @@ def main() -> int:
         if not result.committed:
             failure = f"save to {url} was not committed"
         hdist.save(state, checkpoint_id=sys.argv[3])
+        handle = hdist.async_save(state, checkpoint_id=url + "-async")  # exchanging through the store
+        if not handle.result(timeout=120).committed:
+            failure = f"async_save to {url}-async was not committed"
     else:
         net = model(SEED + 5, True)
         state = {"model": net.state_dict(), "shared": shared(SEED + 5), "step": 0, "tag": ""}
