@@ -11,7 +11,7 @@ from hpckpt import __version__
 from hpckpt.cli._errors import handles_errors
 from hpckpt.cli._option_groups import expand_options
 
-_PACKAGES = ("numpy", "safetensors", "typer", "rich", "torch", "mindspore")
+_PACKAGES = ("numpy", "safetensors", "typer", "rich", "obstore", "torch", "mindspore")
 
 
 def _installed(name: str) -> str:

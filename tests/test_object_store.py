@@ -201,6 +201,24 @@ def test_refusals_are_one_line_with_their_exit_code(server, tmp_path, monkeypatc
     assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr)
 
 
+def test_credentials_from_a_profile(server, tmp_path):
+    """AWS_PROFILE with no keys in the environment: the profile's keys, read through boto3."""
+    endpoint, _s3 = server
+    home = tmp_path / "home"
+    (home / ".aws").mkdir(parents=True)
+    (home / ".aws" / "credentials").write_text("[ckpt]\naws_access_key_id = from-profile\n"
+                                                "aws_secret_access_key = from-profile\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(HOME=str(home), AWS_PROFILE="ckpt", AWS_ENDPOINT_URL=endpoint, AWS_REGION="us-east-1")
+    done = subprocess.run([sys.executable, "-m", "hpckpt", "inspect", url("tiny-hp"), "--json"], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and json.loads(done.stdout)["format"] == "hyperparallel", done.stderr
+    env["AWS_PROFILE"] = "no-such-profile"
+    done = subprocess.run([sys.executable, "-m", "hpckpt", "inspect", url("tiny-hp")], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 27 and "no-such-profile" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def test_an_object_replaced_while_it_is_read_is_an_error(server):
     """Every ranged GET is conditional on the tag the object was listed with: a replaced object
     is never read as a mix of two versions."""

@@ -303,7 +303,12 @@ def _profile_credentials() -> Any:
     except ImportError:
         raise ExtraNotInstalledError("AWS_PROFILE is set: reading a profile needs boto3, which is not installed",
                                      hint="pip install boto3, or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY") from None
-    return Boto3CredentialProvider(boto3.Session())
+    try:
+        return Boto3CredentialProvider(boto3.Session())
+    except Exception as exc:  # botocore's ProfileNotFound and other configuration errors
+        raise StorageError(f"AWS_PROFILE={os.environ.get('AWS_PROFILE')!r}: {_one_line(exc)}",
+                           hint="check ~/.aws/config and ~/.aws/credentials, or set AWS_ACCESS_KEY_ID and "
+                                "AWS_SECRET_ACCESS_KEY") from None
 
 
 _CODE = re.compile(r"<Code>([^<]+)</Code>")
