@@ -31,6 +31,7 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -113,6 +114,11 @@ class ObjectStaging:
         self._marks: list[str] = []
         self._others: list[str] = []
         self._uploaded: list[str] = []
+        self._early: dict[str, tuple] = {}  # uploaded while the engine wrote the rest: name -> (size, mtime)
+        self._pool: ThreadPoolExecutor | None = None
+        self._announced: list[str] = []
+        self._announcing = threading.Lock()
+        self._pending: list = []
         self._done = False
         self._held = False
         self.mark = writing_mark(dest, file_output)
@@ -229,6 +235,34 @@ class ObjectStaging:
 
     # -- the protocol of `Staging` ----------------------------------------------------------------
 
+    def filled(self, name: str) -> None:
+        """The engine finished data file `name` (final: no patch will follow): upload it now,
+        while the engine fills the others."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(UPLOAD_FILES, thread_name_prefix="hpckpt-upload")
+        self._pending.append(self._pool.submit(self._upload_early, name))
+
+    def _upload_early(self, name: str) -> None:
+        st = (self.path / name).stat()
+        with self._announcing:  # the mark names it before it goes up: a kill leaves nothing unnamed
+            self._announced.append(name)
+            self.store.put(self.mark.key, self._record(list(self._announced)))
+        self._upload(name)
+        self._early[name] = (st.st_size, st.st_mtime_ns)
+
+    def _finish_early(self) -> None:
+        """Wait for the early uploads (their errors are the commit's)."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def _unchanged(self, name: str) -> bool:
+        """Uploaded early, and the spool's copy not written since (else it goes up again)."""
+        if name not in self._early:
+            return False
+        st = (self.path / name).stat()
+        return self._early[name] == (st.st_size, st.st_mtime_ns)
+
     def write_metadata(self, files, *, marks: bool = True) -> None:
         for name, data in files:
             (self.path / name).write_bytes(data)
@@ -243,8 +277,9 @@ class ObjectStaging:
         first = [n for n in staged if n not in last and n not in middle]
         self.store.put(self.mark.key, self._record(staged))  # a killed upload's objects can be found
         self._confirm_mark()
+        self._finish_early()
         with ThreadPoolExecutor(UPLOAD_FILES) as pool:
-            list(pool.map(self._upload, first))
+            list(pool.map(self._upload, [n for n in first if not self._unchanged(n)]))
         for name in middle:
             self._upload(name)
         self._confirm_mark()  # still ours, right before the output becomes complete
@@ -270,6 +305,8 @@ class ObjectStaging:
         self.close()
 
     def close(self) -> None:
+        if self._pool is not None:  # no upload may land after the clean-up below
+            self._pool.shutdown(wait=True, cancel_futures=True)
         try:
             if not self._done and self._held:
                 try:

@@ -27,6 +27,7 @@ from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from pathlib import Path
+from typing import Callable
 
 
 from hpckpt.core.commit.durable import fsync_files, start_writeback
@@ -76,8 +77,10 @@ def source_pieces(index: CheckpointIndex, placements: list[Placement]) -> dict[i
 
 def _fill_file(path: Path, layout: FileLayout, index: CheckpointIndex, pieces: dict[int, Pieces], budget: int,
                progress: Progress, sync: bool, pool: ThreadPoolExecutor, crcs: list[tuple[str, Future]],
-               stop: threading.Event, hashing: bool) -> list[tuple[Placement, str | None]]:
-    """Fill one file; returns each box with its digest (None when not hashing)."""
+               stop: threading.Event, hashing: bool,
+               filled: Callable[[str], None] | None = None) -> list[tuple[Placement, str | None]]:
+    """Fill one file; returns each box with its digest (None when not hashing). `filled` is told
+    the file's name once it is final: filled, and no CRC of it can change it (`final_when_filled`)."""
     check_stop(stop)
     boxes: list[tuple[Placement, str | None]] = []
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
@@ -102,7 +105,15 @@ def _fill_file(path: Path, layout: FileLayout, index: CheckpointIndex, pieces: d
             start_writeback(fd)  # the fixed bytes and anything left
     finally:
         os.close(fd)
+    if filled is not None and final_when_filled(layout):
+        filled(layout.name)
     return boxes
+
+
+def final_when_filled(layout: FileLayout) -> bool:
+    """A file whose format records no CRC of its bytes gets no patch after the fill (the writers'
+    patches are what CRCs turn into: `core.io.output.Finished`)."""
+    return not layout.checksums and not any(p.checksum is not None for p in layout.boxes)
 
 
 def source_checksums(index: CheckpointIndex, placements: list[Placement],
@@ -162,13 +173,14 @@ def _rank_stats(placements: list[Placement], pieces: dict[int, Pieces]) -> tuple
 
 def execute(layout: OutputLayout, index: CheckpointIndex, out_dir: Path, *, jobs: int | None = None,
             max_memory: int = DEFAULT_MAX_MEMORY, progress: Progress | None = None,
-            sync: bool = True, hashing: bool = True) -> Executed:
+            sync: bool = True, hashing: bool = True, filled: Callable[[str], None] | None = None) -> Executed:
     """Create and fill every data file of `layout` in `out_dir`.
 
     The files are not yet durable: `finish` writes the writer's patches and fsyncs them. The
     source ranges whose CRC-32 their format records are checked meanwhile, on the same workers;
     a mismatch fails the run (its output is never committed). With `hashing`, every box's digest
-    is taken from the bytes as they are written (`BoxFiller.fill`).
+    is taken from the bytes as they are written (`BoxFiller.fill`). `filled` is told each file
+    that is final as soon as it is (an upload to an object store can start then).
     """
     jobs = max(1, jobs or default_jobs())
     lock = threading.Lock()
@@ -187,7 +199,7 @@ def execute(layout: OutputLayout, index: CheckpointIndex, out_dir: Path, *, jobs
     pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="hpckpt-engine")
     # the sources' checks interleaved with the fills, so that they run while the disk writes
     work = [(check_source, (path, offset, nbytes, crc)) for (path, offset, nbytes), crc in checks.items()]
-    files = [(_fill_file, (out_dir / f.name, f, index, pieces, budget, report, sync, pool, crcs, stop, hashing))
+    files = [(_fill_file, (out_dir / f.name, f, index, pieces, budget, report, sync, pool, crcs, stop, hashing, filled))
              for f in layout.files]
     order = [job for pair in zip_longest(files, work) for job in pair if job is not None]
     submitted: list[Future] = []

@@ -127,12 +127,13 @@ def lay_out(plan: Plan, values: dict, writer) -> OutputLayout:
 
 
 def fill(layout: OutputLayout, source: CheckpointIndex, writer, directory: Path,
-         settings: WriteSettings) -> tuple[engine.Executed, Finished]:
+         settings: WriteSettings, filled: Callable[[str], None] | None = None) -> tuple[engine.Executed, Finished]:
     """Create and fill the layout's data files in `directory` from `source`, with the writer's
     patches, durable when `settings.sync`; returns what the engine did (with every file's digests
     when `settings.manifest`) and the writer's metadata files (not written: the caller decides
-    where and whether)."""
-    done = engine.execute(layout, source, directory, **_engine_options(settings), hashing=settings.manifest)
+    where and whether). `filled` is told each data file once it is final (`engine.execute`)."""
+    done = engine.execute(layout, source, directory, **_engine_options(settings), hashing=settings.manifest,
+                          filled=filled)
     finished = writer.finish(done.crcs)
     files = engine.finish(layout, finished, directory, sync=settings.sync, done=done)
     return replace(done, files=files), finished
@@ -164,7 +165,8 @@ def _write_staged(plan, layout, source, writer, dest, settings, file_output, rea
     manifest's included)."""
     with staging_for(dest, source=source_path, force=settings.force, sync=settings.sync, file_output=file_output,
                      parents=settings.parents, needed=needed) as staging:
-        done, finished = fill(layout, source, writer, staging.path, replace(settings, sync=staging.sync))
+        done, finished = fill(layout, source, writer, staging.path, replace(settings, sync=staging.sync),
+                              filled=getattr(staging, "filled", None))
         staging.write_metadata(finished.metadata)
         written = None
         if read_back is not None:  # the staged output, read as the format's reader reads it

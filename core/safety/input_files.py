@@ -20,6 +20,10 @@ What is refused, and with which error (`core.errors`), decided by the file's rol
   would recurse until `RecursionError`), and any other JSON error: the caller's
   error (`CorruptMetadataError` for an index or sidecar, `CorruptDataError` for a header).
 
+An object in a store (`core.storage.ObjectPath`) passes the same checks against the store's
+listing (a prefix with objects under it is a directory), and is read by ranged GETs
+(`core.storage.readers`).
+
 A symlink is followed (the checks apply to its target); one that leaves the checkpoint is
 refused by `core.paths.resolve_inside` (exit 12) wherever the metadata names the path.
 
@@ -87,7 +91,7 @@ def check_regular(path: Path, what: str, error: type[HpckptError] | None = None)
         MissingFileError: `path` does not exist (or is a symlink to nothing) or cannot be stat'ed.
         `error` (default MissingFileError): not a regular file.
     """
-    if _is_object(path):
+    if is_object(path):
         return _check_object(path, what, error)
     try:
         st = os.stat(path)
@@ -104,10 +108,6 @@ def check_regular(path: Path, what: str, error: type[HpckptError] | None = None)
 def _require_regular(path: Path, st: os.stat_result, what: str, error: type[HpckptError] | None) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise (error or MissingFileError)(f"{path}: is {_kind(st.st_mode)}, not a {what}")
-
-
-def _is_object(path: object) -> bool:
-    return is_object(path)  # (no import: local runs never load the storage client)
 
 
 def _check_object(path, what: str, error: type[HpckptError] | None):
@@ -127,7 +127,7 @@ def _not_object(path, what: str, error: type[HpckptError] | None):
 def open_handle(path: Path, what: str = "data file", error: type[HpckptError] | None = None) -> Handle:
     """`open_fd`, or for an object an `ObjectReader` (`core.storage.readers`): read either with
     `read_at`, close it with `close_handle`."""
-    if _is_object(path):
+    if is_object(path):
         _check_object(path, what, error)
         return ObjectReader(path, path.store.info(path.key))
     return open_fd(path, what, error)
@@ -155,7 +155,7 @@ def open_fd(path: Path, what: str = "data file", error: type[HpckptError] | None
 def open_file(path: Path, what: str = "data file", error: type[HpckptError] | None = None) -> BinaryIO:
     """`open_fd` as a buffered binary file object (close it, or use it in a `with`); an object's is
     read by ranged GETs of 64 KiB (a large read in one GET of its size)."""
-    if _is_object(path):
+    if is_object(path):
         from hpckpt.core.storage.readers import ObjectFile
 
         return io.BufferedReader(ObjectFile(open_handle(path, what, error)), buffer_size=64 << 10)
@@ -170,7 +170,7 @@ def read_small(path: Path, what: str, limit: int, error: type[HpckptError] | Non
         CorruptMetadataError (`error`): larger than `limit`.
     """
     error = error or CorruptMetadataError
-    if _is_object(path):
+    if is_object(path):
         return _read_small_object(path, what, limit, error)
     fd = open_fd(path, what)
     try:
