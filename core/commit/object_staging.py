@@ -163,6 +163,11 @@ class ObjectStaging:
         writers replaced the earlier's record, and the earlier stops here (or before its marks)."""
         self._held = True
         record = read_mark(self.mark)
+        for pause in (0.05, 0.2, 0.5):  # a store that lets a read see a write half-done (s3rver does)
+            if record:
+                break
+            time.sleep(pause)
+            record = read_mark(self.mark)
         if not record or record.get("token") != self.token:
             self._held = False
             raise DestinationLockedError(f"{self.dest}: another hpckpt run is writing it "
@@ -275,9 +280,9 @@ class ObjectStaging:
             last = [self.dest.name]
         middle = [n for n in self._others if n in staged and n not in last]
         first = [n for n in staged if n not in last and n not in middle]
+        self._finish_early()  # (no thread rewrites the mark from here on)
         self.store.put(self.mark.key, self._record(staged))  # a killed upload's objects can be found
         self._confirm_mark()
-        self._finish_early()
         with ThreadPoolExecutor(UPLOAD_FILES) as pool:
             list(pool.map(self._upload, [n for n in first if not self._unchanged(n)]))
         for name in middle:
