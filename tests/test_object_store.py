@@ -68,6 +68,21 @@ def objects(s3, prefix: str) -> dict[str, bytes]:
     return s3_server.download_tree(s3, BUCKET, prefix, None)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (children first found, then theirs)."""
+    found, queue = [], [pid]
+    while queue:
+        parent = queue.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            queue += children
+    return found
+
+
 def url(key: str) -> str:
     return f"s3://{BUCKET}/{key}"
 
@@ -308,3 +323,40 @@ def test_live_save_and_load_through_a_store(server, tmp_path):
     out = hpckpt("run", "--nproc-per-node", "2", "reshard", url("live"), "-o", url("elsewhere"),
                  "--world-size", "1", code=2)
     assert "object store" in out
+
+
+@pytest.mark.dist
+def test_a_live_save_killed_mid_upload(server, tmp_path):
+    """kill -9 of a whole torchrun job while its ranks upload (slowed by the proxy): the writer's
+    mark stays, `inspect` says so, and the next save to the same URL (another world size) cleans
+    up and commits the same bytes as to a directory."""
+    endpoint, s3 = server
+    job = REPO / "tests" / "dist_scripts" / "object_store_job.py"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    with s3_proxy.Proxy(endpoint) as proxy:
+        proxy.faults.add("slow", method="PUT", contains="/killed-live/", count=1000, delay=1.0)
+        env = {**os.environ, **s3_server.environment(proxy.endpoint)}
+        with open(tmp_path / "killed.log", "w") as log:
+            launched = subprocess.Popen([str(torchrun), "--standalone", "--nproc-per-node", "4", str(job), "save",
+                                         url("killed-live"), str(tmp_path / "unused")], env=env, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+            deadline = time.time() + 120
+            while time.time() < deadline and not any(m == "PUT" and "killed-live/_rank" in p
+                                                     for m, p, _ in list(proxy.requests)):
+                time.sleep(0.05)
+            for pid in [launched.pid, *descendants(launched.pid)]:  # (torchrun's workers leave its group)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            launched.wait()
+        proxy.settle()
+    forget_stores()
+    left = objects(s3, "killed-live")
+    assert ".hpckpt-writing" in left and ".metadata" not in left, sorted(left)
+    assert "unfinished hpckpt write" in hpckpt("inspect", url("killed-live"), code=4)
+    env = {**os.environ, **s3_server.environment(endpoint)}
+    rc, out = run_torchrun(2, [str(job), "save", url("killed-live"), str(tmp_path / "local")],
+                           tmp_path / "again.log", env, timeout=240)
+    assert rc == 0 and out.count(": OK") == 2, out
+    assert normalized_tree(objects(s3, "killed-live")) == normalized_tree(file_tree(tmp_path / "local"))

@@ -148,6 +148,9 @@ class ObjectStaging:
             self._confirm_mark()
             return
         record = read_mark(self.mark) or {}
+        if record.get("token") == self.token:  # ours: the create was retried after the store took it
+            self._confirm_mark()
+            return
         alive = _alive_here(record)
         if alive or (alive is None and not self.force):
             raise DestinationLockedError(
