@@ -86,9 +86,9 @@ def location(text: str) -> Path:
 
 def _located(value: Any) -> Any:
     if isinstance(value, UrlText):
-        from hpckpt.core.storage.urls import locate
+        from hpckpt.core.storage.urls import as_path
 
-        return locate(value.url)
+        return as_path(value.url)
     if isinstance(value, list) and any(isinstance(v, UrlText) for v in value):
         return [_located(v) for v in value]
     return value

@@ -28,8 +28,8 @@ from hpckpt.core.geometry.plan import Plan
 from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry, ValueEntry, parse_range_key
 from hpckpt.core.io.output import Extent, FileLayout, Finished, OutputLayout, Placement
 from hpckpt.core.safety import input_files
-from hpckpt.core.storage.urls import as_path
 from hpckpt.core.storage.readers import file_size
+from hpckpt.core.storage.urls import as_path
 
 SNIFF_BYTES = 4096
 STRING_ENCODING = "utf-32"  # `ValueEntry.encoding` of MindSpore `str` values

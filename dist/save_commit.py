@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -15,8 +16,9 @@ from pathlib import Path
 
 from hpckpt.converters.hyperparallel.writer import tensor_file, values_file
 from hpckpt.core.commit import manifest
-from hpckpt.core.commit.durable import write_error
-from hpckpt.core.commit.object_staging import UPLOAD_FILES, WRITING
+from hpckpt.core.commit.durable import spool_root, write_error
+from hpckpt.core.commit.leftovers import WRITING
+from hpckpt.core.commit.object_staging import UPLOAD_FILES
 from hpckpt.core.commit.rank_local import publish_rank_part
 from hpckpt.core.errors import HpckptError, SaveError
 from hpckpt.core.io.accounting import check_written
@@ -33,18 +35,18 @@ def persist(planned: PlannedSave) -> SaveResult:
     """Steps 4-5; the staging directory and its lock are released whatever happens (removed
     unless committed)."""
     with planned.resources:
-        try:
-            if planned.request.coordination == "none":
-                return _persist_rank_local(planned)
-            for _attempt in range(3):
-                try:
-                    return _persist_together(planned)
-                except Restarted:  # the coordinator replaced a killed attempt's directory we had joined
-                    planned = plan_again(planned)
-            raise SaveError("storage coordination: the coordinator restarted the save three times")
-        finally:
-            if planned.request.spool is not None:
-                shutil.rmtree(planned.request.spool, ignore_errors=True)
+        if planned.request.remote:  # this rank's files are written here, then go up
+            spool = Path(tempfile.mkdtemp(prefix="hpckpt-save-spool-", dir=spool_root()))
+            planned.resources.callback(shutil.rmtree, spool, True)
+            planned = replace(planned, request=replace(planned.request, spool=spool))
+        if planned.request.coordination == "none":
+            return _persist_rank_local(planned)
+        for _attempt in range(3):
+            try:
+                return _persist_together(planned)
+            except Restarted:  # the coordinator replaced a killed attempt's directory we had joined
+                planned = plan_again(planned)
+        raise SaveError("storage coordination: the coordinator restarted the save three times")
 
 
 def _write_own(planned: PlannedSave, plan, directory: Path, lengths) -> tuple[list[list], int, Finished, list]:
@@ -59,7 +61,7 @@ def _write_own(planned: PlannedSave, plan, directory: Path, lengths) -> tuple[li
     if request.progress is not None:
         request.progress.start(layout.nbytes)
     try:
-        sync = request.spool is None  # (a spool is scratch: the store makes the objects durable)
+        sync = not request.remote  # (a spool is scratch: the store makes the objects durable)
         done, finished = fill(layout, source, writer, directory, WriteSettings(sync=sync, progress=request.progress))
     except BaseException as exc:
         for f in layout.files:  # what this rank began: on a full disk, the room to report the error
@@ -86,7 +88,7 @@ def _persist_together(planned: PlannedSave) -> SaveResult:
         mine["files"], mine["bytes"], _finished, digests = _write_own(planned, plan, request.staging_path,
                                                                       gp.value_lengths)
         mine["digests"] = manifest_parts.write_part(request.staging_path, rank, digests)
-        if request.spool is not None:  # a store: this rank's files and manifest part go up now
+        if request.remote:  # this rank's files and manifest part go up now
             _upload_own(request, [name for name, _ in mine["files"]] + [manifest_parts.part_name(rank)])
     except Exception as exc:
         mine["error"], own_error = error_text(exc), exc
@@ -134,26 +136,35 @@ def _upload_own(request, names: list[str]) -> None:
         list(pool.map(up, names))
 
 
-def _commit_objects(planned: PlannedSave, answers: list[dict]) -> None:
-    """`_commit` for a checkpoint in an object store: every data object there with the size its
-    rank reported, objects of an earlier save gone, the ranks' manifest parts joined, the
-    manifest, `.metadata` last (`core.commit.object_staging`)."""
+def _commit(planned: PlannedSave, answers: list[dict]) -> None:
+    """The coordinator: every data file there with the size its rank reported, protocol and
+    stale files gone, the ranks' manifest parts joined, `.metadata` last: one rename, or for an
+    object store the order of `core.commit.object_staging` (the data objects are up already)."""
     request, staging = planned.request, planned.staging
     full = planned.global_plan.plan()
     writer = request.format.writer(request.framework.NAME, planned.global_plan.value_lengths, None)
+    layout = lay_out(replace(full, producing=()), {}, writer)
     expected = set(writer.expected_files(full))
     reported = {name: size for a in answers for name, size in a["files"]}
-    store, root = request.path.store, request.path
-    listed = store.walk(root.key)
-    for name in sorted(expected):
-        if reported.get(name) is None or listed.get(name) != reported[name]:
-            raise SaveError(f"{root / name}: expected with {reported.get(name)} bytes, found {listed.get(name)}")
     parts = [manifest_parts.part_name(r) for r in range(len(answers))]
-    for name in parts:
-        (staging.path / name).write_bytes(store.read_all((root / name).key))
-    stale = [n for n in listed if n not in expected and n not in parts and n != WRITING]
-    store.delete([(root / n).key for n in stale])
-    layout = lay_out(replace(full, producing=()), {}, writer)
+    root = request.path if request.remote else staging.path
+    if request.remote:
+        listed = root.store.walk(root.key)
+        names, size_of = list(listed), listed.get
+    else:
+        names = os.listdir(root)
+        size_of = lambda n: (root / n).stat().st_size if (root / n).exists() else None  # noqa: E731
+    for name in sorted(expected):
+        if reported.get(name) is None or size_of(name) != reported[name]:
+            raise SaveError(f"{root / name}: expected with {reported.get(name)} bytes, found {size_of(name)}")
+    stale = [n for n in names if n not in expected and n not in parts and n != WRITING]  # exchange files, a killed save's
+    if request.remote:
+        root.store.delete([(root / n).key for n in stale])
+        for name in parts:
+            (staging.path / name).write_bytes(root.store.read_all((root / name).key))
+    else:
+        for name in stale:
+            (staging.path / name).unlink()
     metadata = writer.finish({}).metadata
     staging.write_metadata(metadata)
     written = request.format.reader().read_index(staging.path)  # the metadata as a loader will read it
@@ -162,39 +173,8 @@ def _commit_objects(planned: PlannedSave, answers: list[dict]) -> None:
     manifest_parts.write_manifest(staging.path, format_name=request.format.name, world_size=request.job.world_size,
                                   files=files, metadata=metadata, written=written)
     staging.commit()
-    store.delete([(root / n).key for n in parts])
-
-
-def _commit(planned: PlannedSave, answers: list[dict]) -> None:
-    """The coordinator: every data file there with the size its rank reported, protocol and
-    stale files gone, `.metadata` last, one rename."""
-    request = planned.request
-    if request.spool is not None:
-        _commit_objects(planned, answers)
-        return
-    full = planned.global_plan.plan()
-    writer = request.format.writer(request.framework.NAME, planned.global_plan.value_lengths, None)
-    layout = lay_out(replace(full, producing=()), {}, writer)
-    expected = set(writer.expected_files(full))
-    reported = {name: size for a in answers for name, size in a["files"]}
-    staging = planned.staging.path
-    for name in sorted(expected):
-        size = reported.get(name)
-        actual = os.stat(staging / name).st_size if (staging / name).exists() else None
-        if size is None or actual != size:
-            raise SaveError(f"{name}: expected in the staging directory with {size} bytes, found {actual}")
-    parts = {manifest_parts.part_name(r) for r in range(len(answers))}
-    for name in os.listdir(staging):
-        if name not in expected and name not in parts:
-            (staging / name).unlink()  # exchange files, and anything a killed save left
-    metadata = writer.finish({}).metadata
-    planned.staging.write_metadata(metadata)
-    written = request.format.reader().read_index(staging)  # as a loader will read it
-    check_written(full, layout, written)
-    files = [tuple(d) for a in answers for d in a.get("digests") or ()]
-    manifest_parts.write_manifest(staging, format_name=request.format.name, world_size=request.job.world_size,
-                                  files=files, metadata=metadata, written=written)
-    planned.staging.commit()
+    if request.remote:
+        root.store.delete([(root / n).key for n in parts])
 
 
 def _persist_rank_local(planned: PlannedSave) -> SaveResult:

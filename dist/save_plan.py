@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-import tempfile
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -137,11 +136,16 @@ class SaveRequest:
     started: float
     local: _Local | None
     local_error: BaseException | None
-    spool: Path | None = None  # a checkpoint in an object store: this rank's local files, uploaded from here
+    spool: Path | None = None  # (a checkpoint in an object store) where this rank's files are written: `persist`
 
     @property
     def is_coordinator(self) -> bool:
         return self.job.rank == self.coordinator
+
+    @property
+    def remote(self) -> bool:
+        """The checkpoint is in an object store."""
+        return is_object(self.path)
 
     @property
     def staging_path(self) -> Path:
@@ -149,7 +153,7 @@ class SaveRequest:
         return self.spool if self.spool is not None else shared_staging(self.path)
 
     def storage(self, nonce: str, token: str) -> Storage:
-        if self.spool is not None:  # a store: exchange objects beside the checkpoint
+        if self.remote:  # exchange objects beside the checkpoint
             return ObjectExchange(self.path.parent / f".{self.path.name}.hpckpt-exchange", self.job.rank,
                                   self.job.world_size, nonce, self.timeout, coordinator=self.coordinator, token=token)
         return Storage(self.staging_path, self.job.rank, self.job.world_size, nonce, self.timeout,
@@ -180,9 +184,9 @@ def describe(state_dict, checkpoint_id, *, process_group, coordinator, coordinat
     exchange = coordination
     path = as_path(checkpoint_id)
     remote = is_object(path)
-    if remote and coordination == "storage":
-        raise ValueError("coordination='storage' exchanges files through a shared file system; a checkpoint in "
-                         "an object store is saved with coordination='collectives' (or 'none')")
+    if remote and coordination != "collectives":
+        raise ValueError(f"coordination={coordination!r} writes through a shared file system; a checkpoint in an "
+                         "object store is saved with coordination='collectives'")
     if asynchronous and coordination == "collectives" and job.world_size > 1 and job_identity() and not remote:
         exchange = "storage"
     if local_error is None:
@@ -194,8 +198,7 @@ def describe(state_dict, checkpoint_id, *, process_group, coordinator, coordinat
                        coordination=coordination, exchange=exchange, dedup=dedup, coordinator=coordinator,
                        use_cache=plan_cache and coordination != "none", asynchronous=asynchronous,
                        timeout=DEFAULT_TIMEOUT if timeout is None else float(timeout), progress=progress,
-                       started=started, local=local, local_error=local_error,
-                       spool=Path(tempfile.mkdtemp(prefix="hpckpt-save-spool-")) if remote else None)
+                       started=started, local=local, local_error=local_error)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,7 +262,7 @@ def _open_staging(request: SaveRequest, resources: ExitStack, save_id: str) -> t
     """The coordinator: the destination locked, a fresh shared staging directory, its nonce."""
     staging = resources.enter_context(staging_for(request.path, force=True, sync=True, parents=True, shared=True))
     nonce = new_nonce()
-    if request.spool is None:  # (an object store's save exchanges over the process group only)
+    if not request.remote:  # (an object store's save plans over the process group only)
         write_json(staging.path / START, {"nonce": nonce, "save": save_id})
     return staging, nonce
 

@@ -216,6 +216,34 @@ def test_refusals_are_one_line_with_their_exit_code(server, tmp_path, monkeypatc
     assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr)
 
 
+def test_a_full_spool_and_coordinations_a_store_cannot_take(server, tmp_path, monkeypatch):
+    """The local spool of a write to a store is checked for room before anything is written (exit
+    18, naming HPCKPT_SPOOL_DIR, nothing in the store); a live save to a store refuses the
+    coordinations that need a shared file system."""
+    import torch
+
+    import hpckpt.dist as hdist
+
+    _endpoint, s3 = server
+    big = tmp_path / "big.safetensors"
+    save_file({"w": np.ones((1024, 1024), np.float32)}, str(big))  # 4 MiB
+    disk = tmp_path / "spool"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.fail("cannot mount a tmpfs (the suite runs as root in CI)")
+    try:
+        monkeypatch.setenv("HPCKPT_SPOOL_DIR", str(disk))
+        out = hpckpt("reshard", str(big), "-o", url("no-room"), "--world-size", "2", code=18)
+        assert "local spool" in out and "HPCKPT_SPOOL_DIR" in out, out
+        assert objects(s3, "no-room") == {} and os.listdir(disk) == []
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+    for coordination in ("storage", "none"):
+        with pytest.raises(ValueError, match="coordination='collectives'"):
+            hdist.save({"w": torch.ones(4)}, checkpoint_id=url("refused"), coordination=coordination, no_dist=True)
+    assert objects(s3, "refused") == {}
+
+
 def test_credentials_from_a_profile(server, tmp_path):
     """AWS_PROFILE with no keys in the environment: the profile's keys, read through boto3."""
     endpoint, _s3 = server
@@ -240,12 +268,12 @@ def test_an_object_replaced_while_it_is_read_is_an_error(server):
     from hpckpt.core.errors import CorruptDataError
     from hpckpt.core.safety import input_files
     from hpckpt.core.storage.readers import read_at
-    from hpckpt.core.storage.urls import locate
+    from hpckpt.core.storage.urls import as_path
 
     _endpoint, s3 = server
     s3.put_object(Bucket=BUCKET, Key="changing/data.bin", Body=bytes(3 << 20))
     forget_stores()
-    handle = input_files.open_handle(locate(url("changing/data.bin")))
+    handle = input_files.open_handle(as_path(url("changing/data.bin")))
     buffer = memoryview(bytearray(2 << 20))
     assert read_at(handle, buffer, 1 << 20) == 2 << 20 and not any(buffer)
     s3.put_object(Bucket=BUCKET, Key="changing/data.bin", Body=b"\1" * (3 << 20))

@@ -91,7 +91,6 @@ def paths(spec: dict) -> None:
     from hpckpt.core.commit.destination import refuse_existing, refuse_unsafe
     from hpckpt.core.errors import PathNotFoundError
 
-    from hpckpt.core.errors import DestinationExistsError
     from hpckpt.core.storage.urls import as_path, lexists
 
     source = spec.get("ckpt") or spec.get("src") or spec.get("from")
@@ -100,9 +99,5 @@ def paths(spec: dict) -> None:
         raise PathNotFoundError(f"{source}: no such file or directory")
     if spec["job"] in ("save", "reshard") and spec.get("out"):
         out = as_path(spec["out"])
-        if is_object(out):  # (the commit checks the rest: core.commit.object_staging)
-            if out.is_dir() and not spec.get("force"):
-                raise DestinationExistsError(f"{out} exists", hint="pass --force to replace it")
-            return
         refuse_unsafe(out, source)
         refuse_existing(out, bool(spec.get("force")))

@@ -40,10 +40,13 @@ def refuse_unsafe(dest: Path, source: Path | None) -> None:
     Raises:
         UnsafeDestinationError: it is.
     """
-    if source is None or is_object(source):  # (a store's source never overlaps a local destination)
+    if source is None:
+        return
+    hint = "write the output somewhere else"
+    if is_object(dest) or is_object(source):
+        _refuse_object_overlap(dest, source, hint)
         return
     src, out = Path(os.path.realpath(source)), Path(os.path.realpath(dest))
-    hint = "write the output somewhere else"
     if out == src:
         raise UnsafeDestinationError(f"{dest} is the source {source}", hint=hint)
     if src.is_dir() and out.is_relative_to(src):
@@ -52,6 +55,19 @@ def refuse_unsafe(dest: Path, source: Path | None) -> None:
     if src.is_relative_to(out):
         raise UnsafeDestinationError(f"{dest} contains the source {source}: replacing it would delete the "
                                      "checkpoint being read", hint=hint)
+
+
+def _refuse_object_overlap(dest, source, hint: str) -> None:
+    """`refuse_unsafe` where either is an object: only objects of the same store can overlap, and
+    keys compare as paths do (a store has no links)."""
+    if not (is_object(dest) and is_object(source)) or source.store is not dest.store:
+        return
+    if dest.key == source.key:
+        raise UnsafeDestinationError(f"{dest} is the source {source}", hint=hint)
+    if dest.is_relative_to(source) and source.is_dir():
+        raise UnsafeDestinationError(f"{dest} lies inside the source {source}", hint=hint)
+    if source.is_relative_to(dest):
+        raise UnsafeDestinationError(f"{dest} contains the source {source}", hint=hint)
 
 
 def refuse_staging_name(dest: Path) -> None:
@@ -101,6 +117,10 @@ def refuse_existing(dest: Path, force: bool, file_output: bool = False) -> None:
             replace a directory.
         UnsafeDestinationError: `force` is on and it is not something hpckpt may replace.
     """
+    if is_object(dest):  # (with `force`, the commit checks what it replaces: core.commit.object_staging)
+        if not force and (dest.is_file() if file_output else dest.is_dir()):
+            raise DestinationExistsError(f"{dest} exists", hint="pass --force to replace it")
+        return
     if not os.path.lexists(dest):
         return
     if not force:

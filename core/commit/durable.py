@@ -13,8 +13,11 @@ import os
 from pathlib import Path
 from typing import Iterable
 
+import tempfile
+
 from hpckpt.core.errors import NoSpaceError, WriteFailedError
 from hpckpt.core.sizes import human_bytes
+from hpckpt.core.storage.object_path import is_object
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
@@ -70,20 +73,38 @@ def free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def spool_root(create: bool = True) -> Path:
+    """Where an output for an object store is written before it goes up (`HPCKPT_SPOOL_DIR`, else
+    the system's temporary directory), created when missing unless told not to."""
+    root = Path(os.environ.get("HPCKPT_SPOOL_DIR") or tempfile.gettempdir())
+    if create:
+        root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _local_room(dest) -> Path:
+    """The directory whose file system takes `dest`'s bytes: its parent, or the spool for an object."""
+    return spool_root(create=False) if is_object(dest) else dest.parent
+
+
 def no_space(dest: Path, needed: int, during: bool = False) -> NoSpaceError:
     late = "; the disk filled up during the write" if during else ""
-    return NoSpaceError(f"no space left on device writing {dest} (needed ~{human_bytes(needed)}, "
-                        f"free {human_bytes(free_bytes(dest.parent))}{late})",
-                        hint="free some space or choose another destination; nothing was left behind")
+    room = _local_room(dest)
+    where = f" (its local spool {room})" if is_object(dest) else ""
+    return NoSpaceError(f"no space left on device writing {dest}{where} (needed ~{human_bytes(needed)}, "
+                        f"free {human_bytes(free_bytes(room))}{late})",
+                        hint="set HPCKPT_SPOOL_DIR to a file system with room; nothing was written to the store"
+                        if is_object(dest) else "free some space or choose another destination; nothing was left behind")
 
 
 def check_space(dest: Path, needed: int) -> None:
-    """Fail before writing anything when the output cannot fit: the data files alone need `needed`.
+    """Fail before writing anything when the output cannot fit: the data files alone need `needed`
+    (for an object store, in its local spool).
 
     Raises:
-        NoSpaceError: the destination's file system has less free space than that.
+        NoSpaceError: the file system that takes the bytes has less free space than that.
     """
-    if needed > free_bytes(dest.parent):
+    if needed > free_bytes(_local_room(dest)):
         raise no_space(dest, needed)
 
 

@@ -1,16 +1,20 @@
 """What unfinished hpckpt runs leave beside a destination, named so that it is never read as a
 checkpoint: staging directories `.NAME.hpckpt-tmp-PID`, an old output moved aside
-(`-old-PID`), lock files, sidecars linked before their file. `leftover` explains one (with the
+(`-old-PID`), lock files, sidecars linked before their file; in an object store, the writer's
+mark `.hpckpt-writing`. `leftover` explains one (with the
 command that removes it) for `inspect` and `verify`; `remove_stale_staging` is what the next run
 on the same destination removes (dead pids only, names compared exactly).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
 import shutil
+import socket
+import time
 from pathlib import Path
 
 from hpckpt.core.commit import formats
@@ -65,9 +69,7 @@ def leftover(path: Path) -> str | None:
     """What an unfinished (or running) hpckpt run left at `path`, said in one line with the
     command that removes it, for `inspect` and `verify`; None for anything else."""
     if is_object(path):
-        from hpckpt.core.commit.object_staging import object_leftover
-
-        return object_leftover(path)
+        return _object_leftover(path)
     path = Path(path).absolute()
     staging = staging_directory(path)
     if staging is not None:
@@ -88,6 +90,58 @@ def leftover(path: Path) -> str | None:
         kind = "manifest" if path.name.endswith(".hpckpt-manifest.jsonl") else "values sidecar"
         return (f"{path} is the {kind} of {owner}, which does not exist (an hpckpt run that did not "
                 f"finish, or the file was removed); remove it with `rm {shlex.quote(str(path))}` or rerun the command")
+    return None
+
+
+# -- what a write to an object store leaves: its writer's mark (`core.commit.object_staging`) ------
+
+#: The writer's mark: inside a directory output, beside a file output (`.NAME` + this).
+WRITING = ".hpckpt-writing"
+
+
+def writing_mark(dest, file_output: bool):
+    """Where the writer's mark of `dest` (an `ObjectPath`) lies."""
+    return dest.parent / f".{dest.name}{WRITING}" if file_output else dest / WRITING
+
+
+def read_mark(mark) -> dict | None:
+    """The mark's record (`host`, `pid`, `token`, `names`, `started`) as it is now, None when there
+    is none, {} when it cannot be read as one."""
+    raw = mark.store.read_fresh(mark.key)
+    if raw is None:
+        return None
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def mark_is_alive(record: dict) -> bool | None:
+    """Whether the run that wrote the mark is alive: None when it ran on another host."""
+    if record.get("host") != socket.gethostname() or not isinstance(record.get("pid"), int):
+        return None
+    return _alive(record["pid"])
+
+
+def describe_mark(record: dict) -> str:
+    started = record.get("started")
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started)) if isinstance(started, (int, float)) else "?"
+    alive = mark_is_alive(record)
+    state = "on another host" if alive is None else "still running" if alive else "no longer running"
+    return f"host {record.get('host', '?')!s:.64}, pid {record.get('pid', '?')!s:.12}, started {when}, {state}"
+
+
+def _object_leftover(path) -> str | None:
+    """What an unfinished write left at `path` (an `ObjectPath`): its writer's mark, if any."""
+    for file_output in (False, True):
+        if file_output and not path.key:
+            continue
+        mark = writing_mark(path, file_output)
+        record = read_mark(mark) if mark.is_file() else None  # (the listing first: no GET for a finished output)
+        if record is not None:
+            return (f"{path} is an unfinished hpckpt write ({describe_mark(record)}); the next write to it "
+                    f"removes what it left, or rerun the command with --force")
     return None
 
 

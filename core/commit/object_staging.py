@@ -38,76 +38,24 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hpckpt.core.commit import formats
-from hpckpt.core.commit.durable import check_space
+from hpckpt.core.commit.destination import refuse_unsafe
+from hpckpt.core.commit.durable import check_space, spool_root
+from hpckpt.core.commit.leftovers import WRITING, describe_mark, mark_is_alive, read_mark, writing_mark
 from hpckpt.core.errors import (
     DestinationExistsError,
     DestinationLockedError,
     HpckptError,
     UnsafeDestinationError,
 )
-from hpckpt.core.storage.object_path import is_object
 
-#: The writer's mark: inside a directory output, beside a file output (`.NAME` + this).
-WRITING = ".hpckpt-writing"
 #: Data files uploaded at once (each with its own parts in flight: `core.storage.object_store`).
 UPLOAD_FILES = 2
-
-
-def writing_mark(dest, file_output: bool):
-    """Where the writer's mark of `dest` lies."""
-    return dest.parent / f".{dest.name}{WRITING}" if file_output else dest / WRITING
-
-
-def read_mark(mark) -> dict | None:
-    """The mark's record (`host`, `pid`, `token`, `names`, `started`), None when there is none."""
-    if not mark.is_file():
-        return None
-    try:
-        record = json.loads(mark.store.read_all(mark.key))
-        return record if isinstance(record, dict) else {}
-    except (ValueError, HpckptError):
-        return {}
-
-
-def _alive_here(record: dict) -> bool | None:
-    """Whether the run that wrote the mark is alive: None when it ran on another host."""
-    if record.get("host") != socket.gethostname() or not isinstance(record.get("pid"), int):
-        return None
-    try:
-        os.kill(record["pid"], 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def describe_mark(record: dict) -> str:
-    started = record.get("started")
-    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started)) if isinstance(started, (int, float)) else "?"
-    alive = _alive_here(record)
-    state = "on another host" if alive is None else "still running" if alive else "no longer running"
-    return f"host {record.get('host', '?')!s:.64}, pid {record.get('pid', '?')!s:.12}, started {when}, {state}"
-
-
-def object_leftover(path) -> str | None:
-    """What an unfinished write left at `path` (an `ObjectPath`), for `inspect` and `verify`."""
-    for file_output in (False, True):
-        if file_output and not path.key:
-            continue
-        mark = writing_mark(path, file_output)
-        record = read_mark(mark)
-        if record is not None:
-            return (f"{path} is an unfinished hpckpt write ({describe_mark(record)}); the next write to it "
-                    f"removes what it left, or rerun the command with --force")
-    return None
 
 
 class ObjectStaging:
     """`core.commit.staging.Staging` for a destination in an object store: same protocol."""
 
-    def __init__(self, dest, *, source=None, force: bool = False, file_output: bool = False, needed: int = 0,
-                 sync: bool = True):
+    def __init__(self, dest, *, source=None, force: bool = False, file_output: bool = False, needed: int = 0):
         self.dest, self.force, self.file_output = dest, force, file_output
         self.store = dest.store
         self.sync = False  # the spool is scratch: durability is the store's
@@ -123,16 +71,13 @@ class ObjectStaging:
         self._held = False
         self.mark = writing_mark(dest, file_output)
         self.token = uuid.uuid4().hex
-        _refuse_overlap(dest, source)
+        refuse_unsafe(dest, source)
         replaced = self._replaced()  # read before the mark is ours: the mark would hide the output
         self._take_mark()
         try:
             self._clear_existing(replaced)
-            spool_root = os.environ.get("HPCKPT_SPOOL_DIR") or None
-            if spool_root is not None:
-                Path(spool_root).mkdir(parents=True, exist_ok=True)
-            check_space(Path(spool_root or tempfile.gettempdir()) / "x", needed)
-            self.path = Path(tempfile.mkdtemp(prefix="hpckpt-spool-", dir=spool_root))
+            check_space(dest, needed)  # (in the spool)
+            self.path = Path(tempfile.mkdtemp(prefix="hpckpt-spool-", dir=spool_root()))
         except BaseException:
             self._release_mark()
             raise
@@ -151,7 +96,7 @@ class ObjectStaging:
         if record.get("token") == self.token:  # ours: the create was retried after the store took it
             self._confirm_mark()
             return
-        alive = _alive_here(record)
+        alive = mark_is_alive(record)
         if alive or (alive is None and not self.force):
             raise DestinationLockedError(
                 f"{self.dest}: another hpckpt run is writing it ({describe_mark(record)})",
@@ -177,8 +122,7 @@ class ObjectStaging:
                                          f"({describe_mark(record or {})})")
 
     def _remove_left(self, record: dict) -> None:
-        names = [n for n in record.get("names", []) if isinstance(n, str)]
-        self._delete([n for n in names if self._key(n) is not None])
+        self._delete([n for n in record.get("names", []) if isinstance(n, str)])
         self.store.delete([self.mark.key])
 
     def _release_mark(self) -> None:
@@ -322,16 +266,4 @@ class ObjectStaging:
                 finally:
                     self._release_mark()
         finally:
-            shutil.rmtree(getattr(self, "path", None) or "/nonexistent", ignore_errors=True)
-
-
-def _refuse_overlap(dest, source) -> None:
-    if source is None or not is_object(source) or source.store is not dest.store:
-        return
-    hint = "write the output somewhere else"
-    if dest.key == source.key:
-        raise UnsafeDestinationError(f"{dest} is the source {source}", hint=hint)
-    if dest.is_relative_to(source) and source.is_dir():
-        raise UnsafeDestinationError(f"{dest} lies inside the source {source}", hint=hint)
-    if source.is_relative_to(dest):
-        raise UnsafeDestinationError(f"{dest} contains the source {source}", hint=hint)
+            shutil.rmtree(self.path, ignore_errors=True)

@@ -96,6 +96,10 @@ class Staging:
     against the free space before anything is written.
     """
 
+    #: told each data file the engine has finished (`core.io.write.fill`): nothing to do before the
+    #: rename here; `ObjectStaging` uploads it then
+    filled = None
+
     def __init__(self, dest: Path, *, source: Path | None = None, force: bool = False, sync: bool = True,
                  file_output: bool = False, parents: bool = False, needed: int = 0, shared: bool = False):
         self.dest = Path(dest)

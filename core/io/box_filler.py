@@ -34,7 +34,6 @@ WRITE_PIECE, WRITE_ALIGN = 2 * 1024 * 1024, 64 * 1024  # how gathered bytes are 
 # the RSS: a 2 GiB reshard peaks at 57 MiB with these, 41 MiB unhashed, 104 MiB with 64 MiB spans)
 MAP_MIN, MAP_SPAN = 4 * 1024 * 1024, 8 * 1024 * 1024
 COPY_PIECE = 1024 * 1024  # hashed copies go piece by piece, each written while a core still caches it
-OBJECT_PIECE = 32 * 1024 * 1024  # a copy from an object store goes in fills of this size (4 GETs in flight)
 Progress = Callable[[int], None]
 
 
@@ -201,12 +200,12 @@ class BoxFiller:
             done = base + span
 
     def _copy_object(self, reader, path: Path, offset: int, count: int, at: int) -> None:
-        """Copy an object's byte range to the output through one reused buffer of `OBJECT_PIECE`
-        bytes (each fill is several concurrent ranged GETs: `core.storage.object_store`)."""
-        buffer = self._scratch(min(count, OBJECT_PIECE))
-        view = memoryview(buffer)
-        for done in range(0, count, OBJECT_PIECE):
-            piece = view[:min(OBJECT_PIECE, count - done)]
+        """Copy an object's byte range to the output through the tile buffer, a budget's worth at
+        a time (each fill is ranged GETs in flight together: `core.storage.object_store`)."""
+        step = max(1, min(count, self.budget))
+        view = memoryview(self._scratch(step))
+        for done in range(0, count, step):
+            piece = view[:min(step, count - done)]
             if read_at(reader, piece, offset + done) != len(piece):
                 raise _truncated(path, offset, count)
             self._write(piece, at + done)

@@ -166,7 +166,7 @@ def _write_staged(plan, layout, source, writer, dest, settings, file_output, rea
     with staging_for(dest, source=source_path, force=settings.force, sync=settings.sync, file_output=file_output,
                      parents=settings.parents, needed=needed) as staging:
         done, finished = fill(layout, source, writer, staging.path, replace(settings, sync=staging.sync),
-                              filled=getattr(staging, "filled", None))
+                              filled=staging.filled)
         staging.write_metadata(finished.metadata)
         written = None
         if read_back is not None:  # the staged output, read as the format's reader reads it

@@ -43,8 +43,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 from hpckpt.core.errors import CorruptMetadataError, HpckptError, MissingFileError
-from hpckpt.core.storage.readers import Handle, ObjectReader
 from hpckpt.core.storage.object_path import is_object
+from hpckpt.core.storage.readers import Handle, ObjectReader
 
 #: A `.metadata` / `{rank}.metadata` / `__{rank}.metadata` pickle (env `HPCKPT_MAX_METADATA_BYTES`).
 MAX_METADATA_BYTES = 2 << 30

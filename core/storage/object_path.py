@@ -57,12 +57,6 @@ class ObjectPath:
             raise ValueError(f"{text!r}: an absolute path cannot be joined to {self}")
         return ObjectPath(self.store, f"{self.key}/{text}" if self.key else text)
 
-    def joinpath(self, *others: object) -> "ObjectPath":
-        path = self
-        for other in others:
-            path = path / other
-        return path
-
     @property
     def name(self) -> str:
         return self.key.rpartition("/")[2]
@@ -85,34 +79,11 @@ class ObjectPath:
         dot = name.rfind(".")
         return name[dot:] if 0 < dot < len(name) - 1 else ""
 
-    @property
-    def suffixes(self) -> list[str]:
-        name = self.name.lstrip(".")
-        return ["." + s for s in name.split(".")[1:]] if not name.endswith(".") else []
-
-    @property
-    def stem(self) -> str:
-        suffix = self.suffix
-        return self.name[:-len(suffix)] if suffix else self.name
-
-    @property
-    def parts(self) -> tuple[str, ...]:
-        return (self.store.url_root, *filter(None, self.key.split("/")))
-
     def with_name(self, name: str) -> "ObjectPath":
         return self.parent / name
 
-    def with_suffix(self, suffix: str) -> "ObjectPath":
-        return self.with_name(self.stem + suffix)
-
     def resolve(self, strict: bool = False) -> "ObjectPath":
         return ObjectPath(self.store, _normalize(self.key))
-
-    def absolute(self) -> "ObjectPath":
-        return self
-
-    def expanduser(self) -> "ObjectPath":
-        return self
 
     def relative_to(self, other: "ObjectPath") -> str:
         if not isinstance(other, ObjectPath) or other.store is not self.store:
@@ -156,13 +127,10 @@ class ObjectPath:
         return self.is_file() or self.is_dir()
 
     def is_file(self) -> bool:
-        return bool(self.key) and self.store.size(self.key) is not None
+        return bool(self.key) and self.store.info(self.key) is not None
 
     def is_dir(self) -> bool:
         return self.store.is_prefix(self.key)
-
-    def is_symlink(self) -> bool:
-        return False
 
     def stat(self) -> ObjectStat:
         info = self.store.info(self.key) if self.key else None
@@ -171,8 +139,6 @@ class ObjectPath:
                 return ObjectStat(0, stat_module.S_IFDIR | 0o555)
             raise FileNotFoundError(f"{self}: no such object")
         return ObjectStat(info.size, st_mtime=info.mtime)
-
-    lstat = stat
 
     def iterdir(self) -> Iterator["ObjectPath"]:
         files, dirs = self.store.listing(self.key)

@@ -18,12 +18,19 @@ from __future__ import annotations
 import os
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple, TypeVar
 
-from hpckpt.core.errors import CorruptDataError, ExtraNotInstalledError, HpckptError, MissingFileError, StorageError
+from hpckpt.core.errors import (
+    CorruptDataError,
+    ExtraNotInstalledError,
+    HpckptError,
+    MissingFileError,
+    StorageError,
+    UsageError,
+)
 
 #: Reads larger than this go out as ranged GETs of this size, up to `READS_IN_FLIGHT` at once.
 READ_PIECE, READS_IN_FLIGHT = 16 << 20, 8
@@ -47,6 +54,7 @@ class ObjectInfo(NamedTuple):
     etag: str | None
     mtime: float = 0.0  # last modified, seconds since the epoch
 
+
 _STORES: dict[tuple[str, str], "ObjectStore"] = {}
 _STORES_LOCK = threading.Lock()
 
@@ -66,8 +74,6 @@ def _number(name: str, default: float) -> float:
     try:
         return float(raw) if raw else default
     except ValueError:
-        from hpckpt.core.errors import UsageError
-
         raise UsageError(f"{name}={raw!r} is not a number") from None
 
 
@@ -154,10 +160,6 @@ class ObjectStore:
             return None
         return _info(meta)
 
-    def size(self, key: str) -> int | None:
-        found = self.info(key)
-        return None if found is None else found.size
-
     def is_prefix(self, key: str) -> bool:
         files, dirs = self.listing(key)
         return bool(files or dirs)
@@ -220,7 +222,7 @@ class ObjectStore:
         try:
             return self._call(where, lambda: self._ob.get(self._store, key, options=options).bytes())
         except StorageError as exc:
-            if isinstance(exc.__context__, PreconditionError) or "412" in exc.message:
+            if isinstance(exc.__context__, PreconditionError):  # (`_call` raised it while handling that)
                 raise CorruptDataError(f"{where}: the object changed while it was being read",
                                        hint="another run replaced it: run the command again") from None
             raise
@@ -252,13 +254,11 @@ class ObjectStore:
     def upload(self, key: str, source: Path) -> None:
         """A local file as an object: up to `SINGLE_PUT` bytes in one request, larger ones
         multipart with `UPLOAD_CONCURRENCY` parts in flight."""
-        where = f"{self.url_root}/{key}: cannot write"
         if Path(source).stat().st_size <= SINGLE_PUT:
-            data = Path(source).read_bytes()
-            self._call(where, lambda: self._ob.put(self._store, key, data, use_multipart=False))
-        else:
-            self._call(where, lambda: self._ob.put(self._store, key, Path(source), chunk_size=UPLOAD_PART,
-                                                   max_concurrency=UPLOAD_CONCURRENCY))
+            self.put(key, Path(source).read_bytes())
+            return
+        self._call(f"{self.url_root}/{key}: cannot write", lambda: self._ob.put(
+            self._store, key, Path(source), chunk_size=UPLOAD_PART, max_concurrency=UPLOAD_CONCURRENCY))
         self.forget(key)
 
     def put(self, key: str, data: bytes) -> None:
@@ -272,15 +272,17 @@ class ObjectStore:
         False when one did."""
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
+        def attempt() -> bool:
+            try:
+                self._ob.put(self._store, key, data, mode="create", use_multipart=False)
+            except (AlreadyExistsError, PreconditionError):
+                return False
+            return True
+
         try:
-            self._ob.put(self._store, key, data, mode="create", use_multipart=False)
-        except (AlreadyExistsError, PreconditionError):
-            return False
-        except Exception as exc:
-            raise StorageError(f"{self.url_root}/{key}: cannot write: {_one_line(exc)}", hint=_hint(exc)) from None
+            return self._call(f"{self.url_root}/{key}: cannot write", attempt)
         finally:
             self.forget(key)
-        return True
 
     def delete(self, keys: list[str]) -> None:
         if not keys:

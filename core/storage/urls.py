@@ -46,24 +46,20 @@ def split_url(text: str) -> tuple[str, str, str]:
 Location = Union[Path, "ObjectPath"]
 
 
-def locate(text: "str | Path | ObjectPath") -> Location:
-    """A command-line path or URL as a `Path` or an `ObjectPath` (which connects to the store)."""
+def as_path(value: "str | Path | ObjectPath") -> Location:
+    """A command-line path or URL as a `Path` or an `ObjectPath` (a URL is connected to its store);
+    a `Path` or `ObjectPath` as itself. Library code that would normalise its argument with
+    `Path(...)` calls this instead."""
     from hpckpt.core.storage.object_path import ObjectPath
 
-    if isinstance(text, (Path, ObjectPath)):
-        return text
-    if is_url(text):
+    if isinstance(value, (Path, ObjectPath)):
+        return value
+    if is_url(value):
         from hpckpt.core.storage.object_store import connect
 
-        scheme, bucket, key = split_url(text)
+        scheme, bucket, key = split_url(value)
         return ObjectPath(connect(scheme, bucket), key)
-    return Path(text)
-
-
-def as_path(value: "str | Path | ObjectPath") -> Location:
-    """`Path(value)` for local text and paths; an `ObjectPath` (or a URL, connected) as itself.
-    Where library code normalised its argument with `Path(...)`, it calls this instead."""
-    return locate(value)
+    return Path(value)
 
 
 def lexists(path: "Path | ObjectPath") -> bool:

@@ -10,11 +10,10 @@ from hpckpt.api import parse_size
 from hpckpt.converters import open_index
 from hpckpt.core.commit.destination import refuse_existing
 from hpckpt.core.dtypes import dtype as parse_dtype
-from hpckpt.core.errors import DestinationExistsError, InjectedFailure
+from hpckpt.core.errors import InjectedFailure
+from hpckpt.core.storage.urls import as_path
 from hpckpt.dist import frameworks
 from hpckpt.dist.jobs import states
-from hpckpt.core.storage.object_path import is_object
-from hpckpt.core.storage.urls import as_path
 
 
 def peak_rss() -> int:
@@ -61,12 +60,7 @@ def run(spec: dict, ctx) -> dict:
     import hpckpt.dist as hdist
 
     out = spec["out"]
-    target = as_path(out)
-    if is_object(target):  # as every writing command (the commit removes what it replaces)
-        if target.is_dir() and not spec.get("force"):
-            raise DestinationExistsError(f"{target} exists", hint="pass --force to replace it")
-    else:
-        refuse_existing(target, bool(spec.get("force")))  # as every writing command (the CLI checked on node 0)
+    refuse_existing(as_path(out), bool(spec.get("force")))  # as every writing command (the CLI checked on node 0)
     layout = states.layout_spec(spec, ctx.world_size)
     state, pieces, made = build_state(spec, ctx, layout)
     fw = frameworks.named(ctx.framework)

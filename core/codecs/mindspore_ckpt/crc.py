@@ -17,8 +17,8 @@ from pathlib import Path
 from hpckpt.core.codecs.mindspore_ckpt.scan import _open, _trailer
 from hpckpt.core.errors import CorruptDataError
 from hpckpt.core.io import checksums
-from hpckpt.core.storage.urls import as_path
 from hpckpt.core.storage.readers import file_size, handle_of
+from hpckpt.core.storage.urls import as_path
 
 def verify_crc(path: Path | str) -> bool:
     """Check the CRC trailer by streaming the file; False when there is no trailer.

@@ -15,8 +15,8 @@ from hpckpt.core.errors import CorruptDataError, MissingFileError, UnknownFormat
 from hpckpt.core.geometry.box import Box, full_box
 from hpckpt.core.geometry.layout import decompose_flat_interval
 from hpckpt.core.io.read import open_data_file
-from hpckpt.core.storage.urls import as_path
 from hpckpt.core.storage.readers import file_size, handle_of, pread
+from hpckpt.core.storage.urls import as_path
 
 CRC_MARK = b"crc_num"
 CRC_TRAILER_BYTES = len(CRC_MARK) + 10
