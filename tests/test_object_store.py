@@ -188,6 +188,11 @@ def test_refusals_are_one_line_with_their_exit_code(server, tmp_path, monkeypatc
     assert "NoSuchBucket" in out and "Traceback" not in out
     hpckpt("inspect", url("nothing/here"), code=3)
     hpckpt("inspect", "ftp://host/x", code=2)
+    monkeypatch.setenv("HPCKPT_STORE_RETRIES", "many")  # a setting that is no number: a usage error
+    forget_stores()
+    assert "HPCKPT_STORE_RETRIES" in hpckpt("inspect", url("tiny-hp"), code=2)
+    monkeypatch.delenv("HPCKPT_STORE_RETRIES")
+    forget_stores()
     # a reshard fanned out over several jobs fills a directory in place: not a store (yet), said so
     assert "object store" in hpckpt("reshard", url("tiny-hp"), "-o", url("fan"), "--world-size", "2", "--rank", "0",
                                     code=2)
