@@ -51,6 +51,7 @@ def start_s3rver() -> tuple[subprocess.Popen, dict]:
     data = Path(tempfile.mkdtemp(prefix="hpckpt-s3rver-"))
     proc = subprocess.Popen([str(S3RVER), "-d", str(data), "-p", str(port), "-a", "127.0.0.1",
                              "--configure-bucket", BUCKET], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc.data_dir = data  # removed with the server (`main`)
     while "listening" not in (proc.stdout.readline() or "listening"):
         pass
     return proc, {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "S3RVER",
@@ -149,6 +150,8 @@ def main() -> int:
     finally:
         server.terminate()
         server.wait()
+        if getattr(server, "data_dir", None) is not None:
+            shutil.rmtree(server.data_dir, ignore_errors=True)
     nbytes = figures["bytes"]
     rows = []
     for op in ("save", "load"):

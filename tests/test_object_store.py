@@ -5,8 +5,9 @@ What is proven: every offline command reads `s3://` sources and writes `s3://` d
 what it writes is byte for byte what it writes locally (manifests compared without the fields that
 name the run); `inspect` reads no data object; transient faults (503, a body cut off, slow answers)
 are retried; a missing bucket, an unreachable endpoint and a URL without the extra installed give
-one line and a documented exit code; two writers to one prefix cannot both succeed; what a killed
-write left is reported and removed by the next write.
+one line and a documented exit code, and so does access denied (a second server enforcing IAM
+policies); `--max-memory` bounds a write to a store; two writers to one prefix cannot both
+succeed; what a killed write left is reported and removed by the next write.
 """
 
 from __future__ import annotations
@@ -219,6 +220,84 @@ def test_refusals_are_one_line_with_their_exit_code(server, tmp_path, monkeypatc
              "print(sorted(m for m in sys.modules if m.startswith(('obstore', 'hpckpt.core.storage.object_store'))))")
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr)
+
+
+def test_access_denied_leaves_nothing(tmp_path):
+    """A second moto server that enforces IAM (after the set-up's requests): keys the server does
+    not know, a user that may only list, and a user that may do everything but write `.metadata`
+    (denied at the very last step of a commit): exit 27 with one line naming the denial, and no
+    object left behind that looks like a checkpoint."""
+    import boto3
+
+    setup = 1 + len(list(EXAMPLE.iterdir())) + 6  # the requests below, before IAM is enforced
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "s3_server.py")], stdout=subprocess.PIPE,
+                            env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(setup)}, text=True)
+    try:
+        env = dict(line.strip().removeprefix("export ").split("=", 1)
+                   for line in (proc.stdout.readline() for _ in s3_server.environment("x")))
+        admin = dict(endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="setup", aws_secret_access_key="setup",
+                     region_name="us-east-1")
+        s3, iam = boto3.client("s3", **admin), boto3.client("iam", **admin)
+        s3.create_bucket(Bucket=BUCKET)
+        s3_server.upload_tree(s3, EXAMPLE, BUCKET, "tiny-hp")
+        keys = {}
+        for user, statements in (("lister", [{"Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": "*"}]),
+                                 ("writer", [{"Effect": "Allow", "Action": ["s3:*"], "Resource": "*"},
+                                             {"Effect": "Deny", "Action": ["s3:PutObject"],
+                                              "Resource": [f"arn:aws:s3:::{BUCKET}/out/.metadata"]}])):
+            iam.create_user(UserName=user)
+            keys[user] = iam.create_access_key(UserName=user)["AccessKey"]
+            iam.put_user_policy(UserName=user, PolicyName="p", PolicyDocument=json.dumps(
+                {"Version": "2012-10-17", "Statement": statements}))
+
+        def run(user: str, *args: str) -> subprocess.CompletedProcess:
+            key = keys.get(user, {"AccessKeyId": user, "SecretAccessKey": user})
+            return subprocess.run([sys.executable, "-m", "hpckpt", *args], capture_output=True, text=True,
+                                  env={**os.environ, **env, "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+                                       "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]})
+
+        for user in ("nobody-known", "lister"):
+            done = run(user, "inspect", f"s3://{BUCKET}/tiny-hp")
+            assert done.returncode == 27 and "access denied" in done.stderr, done.stderr
+            assert len(done.stderr.strip().splitlines()) == 2 and "Traceback" not in done.stderr  # the error, a hint
+        assert run("writer", "inspect", f"s3://{BUCKET}/tiny-hp").returncode == 0
+        done = run("writer", "reshard", f"s3://{BUCKET}/tiny-hp", "-o", f"s3://{BUCKET}/out", "--world-size", "1")
+        assert done.returncode == 27 and "AccessDenied" in done.stderr and ".metadata" in done.stderr, done.stderr
+        left = [o["Key"] for o in boto3.client("s3", **{**admin, "aws_access_key_id": keys["writer"]["AccessKeyId"],
+                                                         "aws_secret_access_key": keys["writer"]["SecretAccessKey"]})
+                .list_objects_v2(Bucket=BUCKET, Prefix="out/").get("Contents", [])]
+        assert left == [], left  # the data objects uploaded before the denial were removed, the mark too
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+def test_a_write_to_a_store_holds_no_more_than_its_budget(server, tmp_path):
+    """`--max-memory` bounds a write to a store as it bounds a local one: the engine's tiles and
+    the upload's parts in flight share it (peak RSS of the child against `inspect`'s, the same
+    process without the write)."""
+    source = tmp_path / "src"
+    source.mkdir()
+    rng = np.random.default_rng(0)
+    for r in range(2):  # 2 x 48 MiB, one tensor each
+        save_file({"w": rng.standard_normal((48 * 1024, 256), np.float32)}, str(source / f"part{r}.safetensors"))
+    probe = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True);"
+             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024)")
+
+    def peak(*args: str) -> int:
+        done = subprocess.run([sys.executable, "-c", probe, sys.executable, "-m", "hpckpt", *args],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return int(done.stdout.split()[-1])
+
+    written = peak("reshard", str(source / "part0.safetensors"), "-o", url("budget/one"), "--world-size", "2",
+                   "--max-memory", "32MiB")
+    base = peak("inspect", url("budget/one"))
+    assert written - base <= 32 + 12, (written, base)  # 12 MiB: the client's own buffers and threads
+    written = peak("consolidate", str(source / "part1.safetensors"), "-o", url("budget/two.safetensors"),
+                   "--max-memory", "32MiB")
+    assert written - base <= 32 + 12, (written, base)
 
 
 def test_a_full_spool_and_coordinations_a_store_cannot_take(server, tmp_path, monkeypatch):

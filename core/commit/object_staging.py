@@ -47,16 +47,23 @@ from hpckpt.core.errors import (
     HpckptError,
     UnsafeDestinationError,
 )
+from hpckpt.core.storage.object_store import UPLOAD_CONCURRENCY, UPLOAD_PART
 
-#: Data files uploaded at once (each with its own parts in flight: `core.storage.object_store`).
+#: Data files uploaded at once; `memory` (the part of `--max-memory` that is not the engine's:
+#: `core.io.write`) is shared between them as parts in flight (`core.storage.object_store`).
 UPLOAD_FILES = 2
 
 
 class ObjectStaging:
     """`core.commit.staging.Staging` for a destination in an object store: same protocol."""
 
-    def __init__(self, dest, *, source=None, force: bool = False, file_output: bool = False, needed: int = 0):
+    def __init__(self, dest, *, source=None, force: bool = False, file_output: bool = False, needed: int = 0,
+                 memory: int = UPLOAD_FILES * UPLOAD_PART * UPLOAD_CONCURRENCY):
         self.dest, self.force, self.file_output = dest, force, file_output
+        # files going up at once: as many as `memory` holds at two parts each (one going up, the
+        # next being read), at most UPLOAD_FILES; each gets its share as parts in flight
+        self._files = max(1, min(UPLOAD_FILES, memory // (2 * UPLOAD_PART)))
+        self._part_memory = max(2 * UPLOAD_PART, memory // self._files)
         self.store = dest.store
         self.sync = False  # the spool is scratch: durability is the store's
         self._marks: list[str] = []
@@ -191,7 +198,7 @@ class ObjectStaging:
         """The engine finished data file `name` (final: no patch will follow): upload it now,
         while the engine fills the others."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(UPLOAD_FILES, thread_name_prefix="hpckpt-upload")
+            self._pool = ThreadPoolExecutor(self._files, thread_name_prefix="hpckpt-upload")
         self._pending.append(self._pool.submit(self._upload_early, name))
 
     def _upload_early(self, name: str) -> None:
@@ -230,7 +237,7 @@ class ObjectStaging:
         self._finish_early()  # (no thread rewrites the mark from here on)
         self.store.put(self.mark.key, self._record(staged))  # a killed upload's objects can be found
         self._confirm_mark()
-        with ThreadPoolExecutor(UPLOAD_FILES) as pool:
+        with ThreadPoolExecutor(self._files) as pool:
             list(pool.map(self._upload, [n for n in first if not self._unchanged(n)]))
         for name in middle:
             self._upload(name)
@@ -247,7 +254,7 @@ class ObjectStaging:
 
     def _upload(self, name: str) -> None:
         key = self._key(name)
-        self.store.upload(key, self.path / name)
+        self.store.upload(key, self.path / name, self._part_memory)
         self._uploaded.append(name)
 
     def __enter__(self) -> "ObjectStaging":

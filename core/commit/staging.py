@@ -70,13 +70,15 @@ from hpckpt.core.storage.object_path import is_object
 
 
 def staging_for(dest, *, source=None, force: bool = False, sync: bool = True, file_output: bool = False,
-                parents: bool = False, needed: int = 0, shared: bool = False):
+                parents: bool = False, needed: int = 0, shared: bool = False, memory: int | None = None):
     """`Staging` for a local destination, `ObjectStaging` (`core.commit.object_staging`) for an
-    object in a store: one protocol, `path` to fill, `write_metadata`, `commit`."""
+    object in a store: one protocol, `path` to fill, `write_metadata`, `commit`. `memory`: what
+    an upload may hold at once (its parts in flight), default the store's."""
     if is_object(dest):
         from hpckpt.core.commit.object_staging import ObjectStaging
 
-        return ObjectStaging(dest, source=source, force=force, file_output=file_output, needed=needed)
+        sized = {} if memory is None else {"memory": memory}
+        return ObjectStaging(dest, source=source, force=force, file_output=file_output, needed=needed, **sized)
     return Staging(dest, source=source, force=force, sync=sync, file_output=file_output, parents=parents,
                    needed=needed, shared=shared)
 

@@ -200,9 +200,10 @@ class BoxFiller:
             done = base + span
 
     def _copy_object(self, reader, path: Path, offset: int, count: int, at: int) -> None:
-        """Copy an object's byte range to the output through the tile buffer, a budget's worth at
-        a time (each fill is ranged GETs in flight together: `core.storage.object_store`)."""
-        step = max(1, min(count, self.budget))
+        """Copy an object's byte range to the output through the tile buffer, half a budget at a
+        time (each fill is ranged GETs in flight together, whose answers are the other half until
+        they are copied in: `core.storage.object_store`)."""
+        step = max(1, min(count, self.budget // 2))
         view = memoryview(self._scratch(step))
         for done in range(0, count, step):
             piece = view[:min(step, count - done)]

@@ -22,6 +22,7 @@ from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.io import engine
 from hpckpt.core.io.accounting import check_layout, check_written
 from hpckpt.core.io.output import Finished, OutputLayout
+from hpckpt.core.storage.object_path import is_object
 from hpckpt.core.storage.urls import as_path
 
 
@@ -163,8 +164,12 @@ def _write_staged(plan, layout, source, writer, dest, settings, file_output, rea
                   needed, fields) -> tuple[engine.Executed, tuple[str, ...]]:
     """The staged write; returns what the engine did and the names of the metadata files (the
     manifest's included)."""
+    uploads = None
+    if is_object(dest):  # the parts in flight come out of the same budget as the engine's tiles
+        uploads = settings.max_memory // 2
+        settings = replace(settings, max_memory=settings.max_memory - uploads)
     with staging_for(dest, source=source_path, force=settings.force, sync=settings.sync, file_output=file_output,
-                     parents=settings.parents, needed=needed) as staging:
+                     parents=settings.parents, needed=needed, memory=uploads) as staging:
         done, finished = fill(layout, source, writer, staging.path, replace(settings, sync=staging.sync),
                               filled=staging.filled)
         staging.write_metadata(finished.metadata)

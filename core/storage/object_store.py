@@ -251,14 +251,16 @@ class ObjectStore:
 
     # -- writes --------------------------------------------------------------------------------
 
-    def upload(self, key: str, source: Path) -> None:
-        """A local file as an object: up to `SINGLE_PUT` bytes in one request, larger ones
-        multipart with `UPLOAD_CONCURRENCY` parts in flight."""
-        if Path(source).stat().st_size <= SINGLE_PUT:
+    def upload(self, key: str, source: Path, memory: int = UPLOAD_PART * UPLOAD_CONCURRENCY) -> None:
+        """A local file as an object, holding at most `memory` bytes of it at once: up to
+        `SINGLE_PUT` bytes in one request, larger files multipart, `memory // UPLOAD_PART` parts
+        in flight (at least one)."""
+        if Path(source).stat().st_size <= min(SINGLE_PUT, max(memory, UPLOAD_PART)):
             self.put(key, Path(source).read_bytes())
             return
+        parts = max(1, memory // UPLOAD_PART - 1)  # (the client reads the next part while these go up)
         self._call(f"{self.url_root}/{key}: cannot write", lambda: self._ob.put(
-            self._store, key, Path(source), chunk_size=UPLOAD_PART, max_concurrency=UPLOAD_CONCURRENCY))
+            self._store, key, Path(source), chunk_size=UPLOAD_PART, max_concurrency=parts))
         self.forget(key)
 
     def put(self, key: str, data: bytes) -> None:
@@ -320,6 +322,11 @@ def _one_line(exc: BaseException) -> str:
     """The store's answer in one line: its error code if it gave one, else the first line."""
     text = str(exc)
     code = _CODE.search(text)
+    kind = type(exc).__name__
+    if not code and kind in ("PermissionDeniedError", "UnauthenticatedError"):  # (a HEAD's answer has no body)
+        status = re.search(r"status code: (\d{3}[^:]*)", text)
+        return ("access denied" if kind == "PermissionDeniedError" else "not authenticated") + (
+            f" ({status.group(1).strip()})" if status else "")
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     first = re.sub(r"\s+", " ", first)[:300]
     status = re.search(r"status code: (\d{3}[^:]*)", text)
