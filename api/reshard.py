@@ -15,6 +15,7 @@ from hpckpt.core.commit.lock import holds_source
 from hpckpt.core.geometry.layout import LayoutSpec
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.io.write import WriteSettings
+from hpckpt.core.storage.object_path import is_object
 from hpckpt.core.storage.urls import as_path
 
 
@@ -45,5 +46,10 @@ def finalize(dst: str | Path) -> FinalizeReport:
         MissingFileError: some rank's files are missing (the message names one).
     """
     dst = as_path(dst)
-    data, metadata = fan_out.finalize(dst)
+    if is_object(dst):
+        from hpckpt.core.commit.object_fan_out import finalize_objects
+
+        data, metadata = finalize_objects(dst)
+    else:
+        data, metadata = fan_out.finalize(dst)
     return FinalizeReport(str(dst), tuple(str(dst / name) for name in (*data, *metadata)), len(data))

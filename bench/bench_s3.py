@@ -134,6 +134,32 @@ def reshard_rows(env: dict, source: str, rounds: int, ranks: int) -> dict:
     return {"direct": direct, "download_reshard_upload": around}
 
 
+def ceiling_rows(env: dict, nbytes: int, rounds: int, ranks: int) -> dict:
+    """What the server itself allows, no checkpoint code at all: the same bytes as `ranks`
+    objects put at once from memory by obstore, as multipart uploads (8 MiB parts, 4 in flight:
+    how every contender's save goes up) and as single PUTs, then read back whole."""
+    os.environ.update(env)
+    import obstore
+    from obstore.store import from_url
+
+    store = from_url(f"s3://{BUCKET}", client_options={"allow_http": True})
+    data = os.urandom(nbytes // ranks)
+    out: dict[str, list[float]] = {"multipart": [], "single_put": [], "get": []}
+    for r in range(rounds):
+        for how in ("multipart", "single_put"):
+            keys = [f"ceiling-{how}-{r}/{i}" for i in range(ranks)]
+            kw = dict(chunk_size=8 << 20, max_concurrency=4) if how == "multipart" else dict(use_multipart=False)
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(ranks) as pool:
+                list(pool.map(lambda k: obstore.put(store, k, data, **kw), keys))
+            out[how].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(ranks) as pool:
+            list(pool.map(lambda k: obstore.get(store, k).bytes(), keys))
+        out["get"].append(time.perf_counter() - t0)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mib", type=int, default=256)
@@ -147,6 +173,7 @@ def main() -> int:
             s3_server.client(env["AWS_ENDPOINT_URL"]).create_bucket(Bucket=BUCKET)
         figures = live(env, args.size_mib, args.rounds, args.ranks)
         figures["reshard"] = reshard_rows(env, "hpckpt-r0", args.rounds, args.ranks)
+        figures["ceiling"] = ceiling_rows(env, figures["bytes"], args.rounds, args.ranks)
     finally:
         server.terminate()
         server.wait()
@@ -163,6 +190,8 @@ def main() -> int:
     for name, t in times.items():
         rows.append((f"reshard s3 -> s3, {args.ranks} -> {max(1, args.ranks // 2)}", name, t, nbytes / t / 2**20,
                      times["download_reshard_upload"] / times["direct"]))
+    for name, t in ((k, best(v)) for k, v in figures["ceiling"].items()):
+        rows.append(("server alone (obstore)", name, t, nbytes / t / 2**20, float("nan")))
     print(f"{nbytes / 2**20:.0f} MiB, best of rounds 2..{args.rounds} ({args.server} server, 127.0.0.1)")
     print(f"{'row':<28} {'contender':<26} {'seconds':>8} {'MiB/s':>8} {'hpckpt vs best peer':>20}")
     for row, name, t, rate, ratio in rows:

@@ -194,11 +194,22 @@ def test_refusals_are_one_line_with_their_exit_code(server, tmp_path, monkeypatc
     assert "HPCKPT_STORE_RETRIES" in hpckpt("inspect", url("tiny-hp"), code=2)
     monkeypatch.delenv("HPCKPT_STORE_RETRIES")
     forget_stores()
-    # a reshard fanned out over several jobs fills a directory in place: not a store (yet), said so
-    assert "object store" in hpckpt("reshard", url("tiny-hp"), "-o", url("fan"), "--world-size", "2", "--rank", "0",
-                                    code=2)
-    hpckpt("reshard", "--finalize", url("fan"), code=2)
-    assert objects(s3, "fan") == {}
+    # a reshard fanned out over several jobs: each uploads its ranks and records them, `inspect` says
+    # what is missing, finalize checks every object against its record (size, entity tag)
+    hpckpt("reshard", url("tiny-hp"), "-o", url("fan"), "--world-size", "3", "--rank", "0")
+    assert "not written yet" in hpckpt("inspect", url("fan"), code=4)
+    assert "file(s) not written yet" in hpckpt("reshard", "--finalize", url("fan"), code=8)
+    hpckpt("reshard", url("tiny-hp"), "-o", url("fan"), "--world-size", "3", "--rank", "1-2")
+    s3.put_object(Bucket=BUCKET, Key="fan/_rank1_.safetensors",  # replaced behind the jobs' back
+                  Body=objects(s3, "fan")["_rank1_.safetensors"][:-1])
+    forget_stores()
+    assert "changed since its fan-out job wrote it" in hpckpt("reshard", "--finalize", url("fan"), code=9)
+    hpckpt("reshard", url("tiny-hp"), "-o", url("fan"), "--world-size", "3", "--rank", "1")  # rerun: fixed
+    hpckpt("reshard", "--finalize", url("fan"))
+    hpckpt("reshard", str(EXAMPLE), "-o", str(tmp_path / "fan"), "--world-size", "3")
+    assert normalized_tree(objects(s3, "fan")) == normalized_tree(file_tree(tmp_path / "fan"))
+    assert "already a finished checkpoint" in hpckpt("reshard", url("tiny-hp"), "-o", url("fan"), "--world-size",
+                                                     "3", "--rank", "0", code=14)
     # a write to a missing bucket leaves nothing behind
     hpckpt("reshard", str(EXAMPLE), "-o", "s3://no-such-bucket-here/x", "--world-size", "1", code=27)
     # an endpoint that does not answer: one line once the retries are spent
@@ -431,10 +442,17 @@ def test_live_save_and_load_through_a_store(server, tmp_path):
                            str(tmp_path / "run"), "load", url("live"), "--check"], env=env, capture_output=True,
                           text=True, timeout=240)
     assert done.returncode == 0 and "load done on 2 ranks" in done.stdout + done.stderr, done.stdout + done.stderr
-    # its reshard fills a destination in place, which a store cannot offer: refused before launching
-    out = hpckpt("run", "--nproc-per-node", "2", "reshard", url("live"), "-o", url("elsewhere"),
-                 "--world-size", "1", code=2)
-    assert "object store" in out
+    # its reshard: 2 workers each upload their share of 3 target ranks, the coordinator finalizes;
+    # the output is a single-process reshard's, and a prefix that exists is refused, --force or not
+    done = subprocess.run([sys.executable, "-m", "hpckpt", "run", "--nproc-per-node", "2", "--log-dir",
+                           str(tmp_path / "run-reshard"), "reshard", url("live"), "-o", url("run-reshard"),
+                           "--world-size", "3"], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    hpckpt("reshard", url("live"), "-o", str(tmp_path / "one"), "--world-size", "3")
+    assert normalized_tree(objects(s3, "run-reshard")) == normalized_tree(file_tree(tmp_path / "one"))
+    out = hpckpt("run", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "again"), "reshard", url("live"),
+                 "-o", url("run-reshard"), "--world-size", "1", "--force", code=22)  # (a worker's error)
+    assert "does not replace" in out, out
 
 
 @pytest.mark.dist

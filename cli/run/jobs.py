@@ -13,7 +13,6 @@ from hpckpt.cli._errors import handles_errors, location
 from hpckpt.cli._option_groups import RankLayout, Select, TargetLayout, Write, expand_options
 from hpckpt.cli.run import checks
 from hpckpt.cli.run.start import start
-from hpckpt.core.storage.object_path import is_object
 
 Coordination = Literal["collectives", "storage", "none"]
 
@@ -81,7 +80,7 @@ def load(
 def reshard(
     ctx: typer.Context,
     src: opt.Source,
-    out: Annotated[Path, typer.Option("--output", "-o", parser=location, help="Destination directory (HyperParallel DCP).")],
+    out: Annotated[Path, typer.Option("--output", "-o", parser=location, help="Destination directory (HyperParallel DCP; a path or a new s3:// prefix).")],
     layout: TargetLayout = TargetLayout(),
     select: Select = Select(),
     dtype: opt.DType = None,
@@ -89,10 +88,6 @@ def reshard(
     write: Write = Write(),
 ) -> None:
     """The offline reshard spread over the workers: each writes its share of the target ranks."""
-    if is_object(out):
-        raise typer.BadParameter("the workers of `hpckpt run reshard` fill the destination in place, which an "
-                                 "object store cannot offer: write to a directory, or use `hpckpt reshard` "
-                                 "(which writes to s3:// itself)", param_hint="'--output'")
     layout.check()
     checks.size(write.max_memory, "--max-memory")
     start(ctx, {"job": "reshard", "src": checks.absolute(src), "out": checks.absolute(out),

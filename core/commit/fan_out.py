@@ -32,15 +32,32 @@ from hpckpt.core.errors import (
     HpckptError,
     MissingFileError,
     NotACheckpointError,
-    UsageError,
 )
 from hpckpt.core.storage.object_path import is_object
 
 
-def _identity(path: Path) -> list[int]:
-    """What `finalize` compares to tell that a file is the one its job wrote."""
+def file_identity(path) -> list:
+    """What `finalize` compares to tell that a file is the one its job wrote: its size and
+    mtime, or in an object store its size and entity tag."""
+    if is_object(path):
+        info = path.store.info(path.key)
+        if info is None:
+            raise FileNotFoundError(f"{path}: no such object")
+        return [info.size, info.etag]
     st = os.stat(path)
     return [st.st_size, st.st_mtime_ns]
+
+
+def plan_digest(metadata: tuple[tuple[str, bytes], ...]) -> str:
+    """Names the plan a fragment belongs to: the metadata the whole output will have."""
+    digest = hashlib.sha256()
+    for name, data in metadata:
+        digest.update(name.encode() + b"\0" + data)
+    return digest.hexdigest()
+
+
+def _read(path) -> bytes:
+    return path.store.read_all(path.key) if is_object(path) else path.read_bytes()
 
 
 class Fragment:
@@ -53,7 +70,6 @@ class Fragment:
 
     def __init__(self, dest: Path, *, source: Path | None = None, sync: bool = True, parents: bool = False,
                  needed: int = 0):
-        refuse_object_store(dest)
         self.dest = Path(dest)
         self.sync = sync
         self.fragments = self.dest / FRAGMENT_DIR
@@ -88,10 +104,7 @@ class Fragment:
         """
         if metadata and (self.dest / metadata[-1][0]).exists():  # the file written last marks it finished
             raise DestinationExistsError(f"{self.dest} is already a finished checkpoint")
-        digest = hashlib.sha256()
-        for name, data in metadata:
-            digest.update(name.encode() + b"\0" + data)
-        plan = digest.hexdigest()
+        plan = plan_digest(metadata)
         plan_file = self.fragments / f"plan-{plan[:16]}.json"
         if not plan_file.exists():
             for name, data in metadata:
@@ -104,7 +117,7 @@ class Fragment:
             os.replace(self.path / name, self.dest / name)
         os.rmdir(self.path)
         record = {"plan": plan, "ranks": list(ranks), "files": names,
-                  "identity": {name: _identity(self.dest / name) for name in names}}
+                  "identity": {name: file_identity(self.dest / name) for name in names}}
         if digests is not None:
             record["digests"] = [[f.name, f.size, f.digest] for f in digests]
             self._publish(self.fragments / f"lines-{min(ranks)}-{max(ranks)}-{plan[:16]}.jsonl",
@@ -129,19 +142,6 @@ class Fragment:
             self._lock.release()
 
 
-def refuse_object_store(dest) -> None:
-    """A fan-out's jobs fill one destination in place and leave their records there for
-    `finalize`; for an object store that is not built yet, and a URL is refused as a usage error.
-
-    Raises:
-        UsageError: `dest` is an object in a store.
-    """
-    if is_object(dest):
-        raise UsageError(f"{dest}: --rank and --finalize (a reshard fanned out over several jobs) write into a "
-                         "local or shared directory only, not yet into an object store",
-                         hint="reshard to the store in one run (without --rank), or fan out into a shared directory")
-
-
 def finalize(dest: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Write the metadata of a fanned-out output once every data file of its plan is there, as
     its job wrote it; return the names of its data files and of the metadata files written.
@@ -151,10 +151,8 @@ def finalize(dest: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
         CorruptMetadataError: the fragments come from different plans.
         MissingFileError: some files are missing (the message names one).
         CorruptDataError: a file was changed (truncated, replaced) after its job wrote it.
-        UsageError: `dest` is in an object store (`refuse_object_store`).
         DestinationLockedError: a job is still writing into `dest`.
     """
-    refuse_object_store(dest)
     dest = Path(dest)
     try:
         with DestinationLock(dest):
@@ -169,13 +167,15 @@ def finalize(dest: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
 def _record(path: Path):
     """A fan-out record: hpckpt wrote it, but it lies in a directory anyone may have changed."""
     try:
-        return json.loads(path.read_text())
+        return json.loads(_read(path))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise CorruptMetadataError(f"{path}: not a fan-out record hpckpt wrote ({exc})",
                                    hint="rerun the fan-out jobs (`hpckpt reshard ... --rank R`)") from None
 
 
-def _finalize(dest: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def gather(dest) -> tuple[dict, list[dict], str]:
+    """The plan and the jobs' records of a fan-out at `dest`, once every planned file is there
+    as its job wrote it: `(plan, records, plan digest)` (the errors are `finalize`'s)."""
     fragments = dest / FRAGMENT_DIR
     records = [_record(p) for p in sorted(fragments.glob("ranks-*.json"))] if fragments.is_dir() else []
     if not records:
@@ -192,6 +192,12 @@ def _finalize(dest: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
         raise MissingFileError(f"{dest}: {len(missing)} file(s) not written yet, e.g. {missing[0]}",
                                hint="run the missing target ranks with --rank, then finalize again")
     _check_unchanged(dest, records)
+    return plan, records, digest
+
+
+def _finalize(dest: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    plan, records, digest = gather(dest)
+    fragments = dest / FRAGMENT_DIR
     staged = []  # written (and fsynced) under temporary names first: that can take a while
     try:
         staged += _fan_out_manifest(dest, plan, records, digest)
@@ -216,26 +222,34 @@ def _fan_out_manifest(dest: Path, plan: dict, records: list[dict], key: str) -> 
     """Write the manifest of a fanned-out output (under a temporary name, renamed with the
     metadata) from the jobs' digests; returns `(temporary, final)` path pairs: none when the jobs
     hashed nothing."""
+    data = manifest_of(dest, plan, records, key)
+    if data is None:
+        return []
+    tmp = dest / f"{TMP_MARK}{os.getpid()}-{manifest.NAME}"
+    tmp.unlink(missing_ok=True)
+    write_file(tmp, data)
+    return [(tmp, dest / manifest.NAME)]
+
+
+def manifest_of(dest, plan: dict, records: list[dict], key: str) -> bytes | None:
+    """The manifest of a fanned-out output, from the jobs' digests (None when they hashed nothing)."""
     header = plan.get("manifest")
     if not isinstance(header, dict) or not all("digests" in r for r in records):
-        return []
+        return None
     files: dict[str, list] = {}
     for record in records:
         for name, size, hexdigest in record["digests"]:
             files[name] = [size, hexdigest]
     lines: dict[str, bytes] = {}
     for path in sorted((dest / FRAGMENT_DIR).glob(f"lines-*-{key[:16]}.jsonl")):
-        for line in path.read_bytes().splitlines(keepends=True):
+        for line in _read(path).splitlines(keepends=True):
             lines[json.loads(line)["file"]] = line  # a rank rerun wrote its file (and line) again
     doc = dict(header, command=manifest.command_line())
     doc["files"] = {}
     for name in sorted(files):
         entry = json.loads(lines[name])
         doc["files"][name] = {"bytes": files[name][0], "digest": files[name][1], "boxes": len(entry["boxes"])}
-    tmp = dest / f"{TMP_MARK}{os.getpid()}-{manifest.NAME}"
-    tmp.unlink(missing_ok=True)
-    write_file(tmp, manifest.encode(doc, ()) + b"".join(lines[name] for name in sorted(files)))
-    return [(tmp, dest / manifest.NAME)]
+    return manifest.encode(doc, ()) + b"".join(lines[name] for name in sorted(files))
 
 
 def _check_unchanged(dest: Path, records: list[dict]) -> None:
@@ -246,7 +260,7 @@ def _check_unchanged(dest: Path, records: list[dict]) -> None:
         for name, identity in record.get("identity", {}).items():
             recorded.setdefault(name, []).append(identity)
     for name, identities in sorted(recorded.items()):
-        now = _identity(dest / name)
+        now = file_identity(dest / name)
         if now not in identities:
             size = identities[-1][0]
             change = f"{now[0]} bytes, written with {size}" if now[0] != size else "modified after it was written"

@@ -3,7 +3,8 @@ write their shares straight into it as fan-out fragments): the old output is set
 removed only once the new one is finalized, or put back if the run fails.
 
 The aside name is the one `Staging` gives an output it moves aside (`.NAME.hpckpt-tmp-old-PID`),
-so what a killed run leaves is explained by `leftover` and put back by the next run.
+so what a killed run leaves is explained by `leftover` and put back by the next run. A prefix
+in an object store is written only when it is new (`_prepare_prefix`).
 """
 
 from __future__ import annotations
@@ -15,19 +16,25 @@ from pathlib import Path
 from hpckpt.core.commit.destination import refuse_existing, refuse_staging_name
 from hpckpt.core.commit.leftovers import TMP_MARK
 from hpckpt.core.commit.lock import DestinationLock, ReplaceLock
+from hpckpt.core.errors import DestinationExistsError
+from hpckpt.core.storage.object_path import is_object
+from hpckpt.core.storage.urls import as_path
 
 
 class SetAside:
     """`prepare()` before any share is written; then `finished()` or `undo()`, by one process."""
 
     def __init__(self, dest: Path, force: bool):
-        self.dest, self.force = Path(dest), force
+        self.dest, self.force = as_path(dest), force
         self.aside: Path | None = None  # the old destination, while it is being replaced
         self.created = False  # this run makes the destination: a failed run removes it
 
     def prepare(self) -> None:
         """Refuse a destination that may not be replaced; set an existing one aside (no run may be
         reading it)."""
+        if is_object(self.dest):
+            self._prepare_prefix()
+            return
         refuse_staging_name(self.dest)
         if not os.path.lexists(self.dest):
             self.created = True
@@ -42,6 +49,18 @@ class SetAside:
             finally:
                 replacing.release()
 
+    def _prepare_prefix(self) -> None:
+        """In an object store there is no rename to set an output aside with: a prefix that
+        holds anything is refused, `--force` or not (`hpckpt reshard --force` replaces one)."""
+        self.dest.store.refresh(self.dest.key)
+        if self.dest.exists():
+            raise DestinationExistsError(
+                f"{self.dest} exists" + (" (in an object store, `hpckpt run reshard` does not replace an output)"
+                                         if self.force else ""),
+                hint="remove it, or write to a new prefix" + (" (or use `hpckpt reshard --force`)" if self.force
+                                                              else ""))
+        self.created = True
+
     def finished(self) -> None:
         """The new output is complete: the old one goes."""
         if self.aside is not None:
@@ -50,6 +69,11 @@ class SetAside:
 
     def undo(self) -> None:
         """After a failure: nothing of this run left, the old output back."""
+        if is_object(self.dest):
+            store = self.dest.store
+            if self.created:  # a new prefix: everything under it is this run's
+                store.delete([(self.dest / name).key for name in store.walk(self.dest.key)])
+            return
         if self.created and os.path.lexists(self.dest):
             with DestinationLock(self.dest):  # every share has let its lock go
                 shutil.rmtree(self.dest)

@@ -147,9 +147,16 @@ def _engine_options(settings: WriteSettings) -> dict:
 
 
 def _write_fragment(plan, layout, source, writer, dest, settings, source_path, needed, fields) -> engine.Executed:
-    with Fragment(dest, source=source_path, sync=settings.sync, parents=settings.parents,
-                  needed=needed) as fragment:
-        done, finished = fill(layout, source, writer, fragment.path, settings)
+    if is_object(dest):  # (the memory shared as for a staged write: `_write_staged`)
+        from hpckpt.core.commit.object_fan_out import ObjectFragment
+
+        uploads = settings.max_memory // 2
+        settings = replace(settings, max_memory=settings.max_memory - uploads)
+        fragment = ObjectFragment(dest, source=source_path, needed=needed, memory=uploads)
+    else:
+        fragment = Fragment(dest, source=source_path, sync=settings.sync, parents=settings.parents, needed=needed)
+    with fragment:
+        done, finished = fill(layout, source, writer, fragment.path, replace(settings, sync=fragment.sync))
         every_rank = replace(plan, producing=tuple(range(plan.world_size)))
         header = None
         if fields is not None and settings.manifest:  # finalize adds the files and the listing

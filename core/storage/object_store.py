@@ -174,6 +174,16 @@ class ObjectStore:
                 out[meta["path"][len(prefix):]] = int(meta["size"])
         return out
 
+    def refresh(self, key: str) -> None:
+        """Drop what is cached of `key` and everything under it (other processes write there)."""
+        with self._lock:
+            inside = lambda k: k == key or not key or k.startswith(f"{key}/")  # noqa: E731
+            for cached in [c for c in self._objects if inside(c[0])]:
+                del self._objects[cached]
+            for listed in [k for k in self._listings if inside(k)]:
+                del self._listings[listed]
+        self.forget(key)
+
     def forget(self, key: str) -> None:
         """Drop cached listings that `key` (written or deleted) changes."""
         with self._lock:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from hpckpt.core.commit.set_aside import SetAside
 from hpckpt.core.errors import HpckptError, ReshardOptionError, WorkerFailedError
@@ -99,7 +98,7 @@ class _Job:
         from hpckpt.api import Selection, WriteSettings, parse_size
 
         self.spec, self.ctx = spec, ctx
-        self.src, self.dst = as_path(spec["src"]), Path(spec["out"])
+        self.src, self.dst = as_path(spec["src"]), as_path(spec["out"])
         self.select = Selection.of(spec.get("include"), spec.get("exclude"))
         self.settings = WriteSettings(max_memory=parse_size(spec.get("max_memory") or "64MiB"),
                                       sync=not spec.get("no_fsync"), parents=bool(spec.get("parents")),
