@@ -22,14 +22,19 @@ class Faults:
         self.lock = threading.Lock()
         self.rules: list[dict] = []
 
-    def add(self, kind: str, *, method: str = "GET", contains: str = "", count: int = 1, delay: float = 0.0):
+    def add(self, kind: str, *, method: str = "GET", contains: str = "", count: int = 1, delay: float = 0.0,
+            from_byte: int = 0):
+        """`from_byte`: only ranged GETs that start there or later (a file's data, not its header)."""
         with self.lock:
-            self.rules.append({"kind": kind, "method": method, "contains": contains, "left": count, "delay": delay})
+            self.rules.append({"kind": kind, "method": method, "contains": contains, "left": count, "delay": delay,
+                               "from_byte": from_byte})
 
-    def take(self, method: str, path: str) -> dict | None:
+    def take(self, method: str, path: str, byte_range: str | None = None) -> dict | None:
+        start = int(byte_range.removeprefix("bytes=").split("-")[0]) if byte_range else 0
         with self.lock:
             for rule in self.rules:
-                if rule["left"] > 0 and rule["method"] == method and rule["contains"] in path:
+                if (rule["left"] > 0 and rule["method"] == method and rule["contains"] in path
+                        and start >= rule["from_byte"]):
                     rule["left"] -= 1
                     return rule
         return None
@@ -69,7 +74,7 @@ class Proxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 proxy.requests.append((self.command, self.path, self.headers.get("Range")))
-                rule = proxy.faults.take(self.command, self.path)
+                rule = proxy.faults.take(self.command, self.path, self.headers.get("Range"))
                 if rule is not None and rule["kind"] == "503":
                     payload = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
                     self.send_response(503)

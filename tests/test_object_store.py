@@ -181,6 +181,39 @@ def test_inspect_reads_no_data_object_and_faults_are_retried(server, tmp_path, m
         assert proxy.faults.left() == 0
         hpckpt("reshard", str(FIXTURES / "m0-torch-4rank"), "-o", str(tmp_path / "here"), "--world-size", "2")
         assert normalized_tree(objects(s3, "faulty")) == normalized_tree(file_tree(tmp_path / "here"))
+        # an output larger than one PUT goes up part by part as the engine fills it; when the fill
+        # then fails (the second shard of the source cannot be read), that upload is aborted:
+        # no object, no unfinished multipart upload left
+        shards = tmp_path / "sharded"
+        shards.mkdir()
+        for i, name in enumerate(("a", "b")):
+            save_file({name: np.full((5 * 1024, 1024), i, np.float32)}, str(shards / f"model-0000{i + 1}-of-00002.safetensors"))
+        (shards / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+            "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+        s3_server.upload_tree(s3, shards, BUCKET, "sharded")
+        proxy.faults.add("503", contains="sharded/model-00002", count=1000, from_byte=1 << 20)
+        monkeypatch.setenv("HPCKPT_STORE_RETRIES", "1")
+        forget_stores()
+        hpckpt("consolidate", url("sharded"), "-o", url("aborted/model.safetensors"), code=27)
+        sent = [(m, p) for m, p, _ in list(proxy.requests) if "aborted/model.safetensors" in p]
+        assert any(m == "POST" and "?uploads" in p for m, p in sent), sent  # it had started,
+        assert any(m == "PUT" and "partNumber=" in p for m, p in sent), sent  # sent parts,
+        assert any(m == "DELETE" and "uploadId=" in p for m, p in sent), sent  # and was aborted
+        assert objects(s3, "aborted") == {}
+        assert s3.list_multipart_uploads(Bucket=BUCKET, Prefix="aborted/").get("Uploads", []) == []
+        # a single-file output is its own completion mark: streamed as it is written, but completed
+        # only after its sidecar is up (a reader never finds the file without it), however slow the
+        # steps between (here the reads of the writer's mark, slowed down: an upload completed as
+        # soon as the file is filled would land before the sidecar)
+        proxy.faults.add("slow", method="GET", contains="streamed/.model.safetensors.hpckpt-writing", count=1000,
+                         delay=1.0)
+        hpckpt("consolidate", str(shards), "-o", url("streamed/model.safetensors"))
+        sent = [(m, p) for m, p, _ in list(proxy.requests) if "/streamed/" in p]
+        completed = [i for i, (m, p) in enumerate(sent) if m == "POST" and "model.safetensors?uploadId=" in p]
+        sidecar = [i for i, (m, p) in enumerate(sent) if m == "PUT" and "model.safetensors.hpckpt-manifest" in p]
+        assert len(completed) == 1 and sidecar and max(sidecar) < completed[0], sent
+        hpckpt("consolidate", str(shards), "-o", str(tmp_path / "streamed" / "model.safetensors"), "--parents")
+        assert normalized_tree(objects(s3, "streamed")) == normalized_tree(file_tree(tmp_path / "streamed"))
     forget_stores()
 
 

@@ -47,11 +47,13 @@ from hpckpt.core.errors import (
     HpckptError,
     UnsafeDestinationError,
 )
-from hpckpt.core.storage.object_store import UPLOAD_CONCURRENCY, UPLOAD_PART
+from hpckpt.core.storage.object_store import SINGLE_PUT, UPLOAD_CONCURRENCY, UPLOAD_PART
 
 #: Data files uploaded at once; `memory` (the part of `--max-memory` that is not the engine's:
 #: `core.io.write`) is shared between them as parts in flight (`core.storage.object_store`).
 UPLOAD_FILES = 2
+#: A streamed upload reads the spool this much at a time into the part being filled.
+STREAM_PIECE = 1 << 20
 
 
 class ObjectStaging:
@@ -62,7 +64,7 @@ class ObjectStaging:
         self.dest, self.force, self.file_output = dest, force, file_output
         # files going up at once: as many as `memory` holds at two parts each (one going up, the
         # next being read), at most UPLOAD_FILES; each gets its share as parts in flight
-        self._files = max(1, min(UPLOAD_FILES, memory // (2 * UPLOAD_PART)))
+        self._files = 1 if file_output else max(1, min(UPLOAD_FILES, memory // (2 * UPLOAD_PART)))
         self._part_memory = max(2 * UPLOAD_PART, memory // self._files)
         self.store = dest.store
         self.sync = False  # the spool is scratch: durability is the store's
@@ -74,6 +76,8 @@ class ObjectStaging:
         self._announced: list[str] = []
         self._announcing = threading.Lock()
         self._pending: list = []
+        self._streams: dict[str, _Stream] = {}
+        self._output_stream: tuple | None = None  # a single-file output's stream, completed by `commit`
         self._done = False
         self._held = False
         self.mark = writing_mark(dest, file_output)
@@ -194,19 +198,59 @@ class ObjectStaging:
 
     # -- the protocol of `Staging` ----------------------------------------------------------------
 
-    def filled(self, name: str) -> None:
-        """The engine finished data file `name` (final: no patch will follow): upload it now,
-        while the engine fills the others."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._files, thread_name_prefix="hpckpt-upload")
-        self._pending.append(self._pool.submit(self._upload_early, name))
+    def filled(self, name: str, upto: int) -> None:
+        """The engine made bytes `[0, upto)` of data file `name` final (no patch will follow;
+        `upto` is its size once it is filled): a file larger than one PUT goes up part by part
+        as it grows (`_Stream`), a smaller one once whole, while the engine fills the rest."""
+        stream = self._streams.get(name)
+        if stream is None:
+            size = (self.path / name).stat().st_size  # (created at its final size)
+            # a single-file output is its own completion mark: it may not exist before its sidecars
+            # (`commit`), so it goes up whole then, or streams now and is completed then
+            output = self.file_output and name == self.dest.name
+            if upto < size and (size <= SINGLE_PUT or upto < UPLOAD_PART) or (output and upto >= size):
+                return  # whole, later
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._files, thread_name_prefix="hpckpt-upload")
+            if upto >= size:
+                self._pending.append(self._pool.submit(self._upload_early, name))
+                return
+            stream = self._streams[name] = _Stream(size, held=output)  # (one engine worker fills a file)
+            future = self._pool.submit(self._stream, name, stream)
+            if output:
+                self._output_stream = (name, stream, future)
+            else:
+                self._pending.append(future)
+        stream.advance(upto)
 
-    def _upload_early(self, name: str) -> None:
-        st = (self.path / name).stat()
+    def _announce(self, name: str) -> None:
         with self._announcing:  # the mark names it before it goes up: a kill leaves nothing unnamed
             self._announced.append(name)
             self.store.put(self.mark.key, self._record(list(self._announced)))
+
+    def _upload_early(self, name: str) -> None:
+        st = (self.path / name).stat()
+        self._announce(name)
         self._upload(name)
+        self._early[name] = (st.st_size, st.st_mtime_ns)
+
+    def _stream(self, name: str, stream: "_Stream") -> None:
+        """Upload `name` from the spool as the engine makes it final, a part at a time."""
+        self._announce(name)
+        self._uploaded.append(name)  # (before: a failed upload may still land)
+        with open(self.path / name, "rb", buffering=0) as f, \
+                self.store.writer(self._key(name), self._part_memory) as write:
+            done = 0
+            while done < stream.size:
+                ready = stream.wait(done)
+                while done < ready:
+                    piece = f.read(min(STREAM_PIECE, ready - done))
+                    if not piece:
+                        raise HpckptError(f"{self.path / name}: the spool file ended early")
+                    write(piece)
+                    done += len(piece)
+            stream.wait_release()  # (the object exists once the block ends)
+        st = (self.path / name).stat()
         self._early[name] = (st.st_size, st.st_mtime_ns)
 
     def _finish_early(self) -> None:
@@ -243,7 +287,10 @@ class ObjectStaging:
             self._upload(name)
         self._confirm_mark()  # still ours, right before the output becomes complete
         for name in last:
-            if self.file_output:
+            if self._output_stream is not None and self._output_stream[0] == name:  # streamed: completed now
+                self._output_stream[1].release()
+                self._output_stream[2].result()
+            elif self.file_output:
                 self._upload(name)
             elif self.store.create(self._key(name), (self.path / name).read_bytes()):
                 self._uploaded.append(name)
@@ -264,6 +311,8 @@ class ObjectStaging:
         self.close()
 
     def close(self) -> None:
+        for stream in self._streams.values():  # a stream waiting for a fill that failed: aborted
+            stream.cancel()
         if self._pool is not None:  # no upload may land after the clean-up below
             self._pool.shutdown(wait=True, cancel_futures=True)
         try:
@@ -274,3 +323,51 @@ class ObjectStaging:
                     self._release_mark()
         finally:
             shutil.rmtree(self.path, ignore_errors=True)
+
+
+class _Stream:
+    """How far the engine has made a file final, for the upload that follows it: whole parts
+    are handed over as they become final, the rest once the file is filled."""
+
+    def __init__(self, size: int, held: bool = False):
+        self.size = size
+        self._upto = 0
+        self._cancelled = False
+        self._held = held  # completed only once released (`ObjectStaging.commit`)
+        self._changed = threading.Condition()
+
+    def advance(self, upto: int) -> None:
+        with self._changed:
+            if upto > self._upto:
+                self._upto = upto
+                self._changed.notify()
+
+    def release(self) -> None:
+        with self._changed:
+            self._held = False
+            self._changed.notify()
+
+    def wait_release(self) -> None:
+        with self._changed:
+            while self._held and not self._cancelled:
+                self._changed.wait()
+            if self._cancelled:
+                raise HpckptError("the write failed: its upload is abandoned")
+
+    def cancel(self) -> None:
+        with self._changed:
+            self._cancelled = True
+            self._changed.notify()
+
+    def wait(self, done: int) -> int:
+        """Where the next upload may read up to, beyond `done`: whole parts, or the end."""
+        with self._changed:
+            while True:
+                if self._cancelled:
+                    raise HpckptError("the write failed: its upload is abandoned")
+                if self._upto >= self.size:
+                    return self.size
+                whole = done + (self._upto - done) // UPLOAD_PART * UPLOAD_PART
+                if whole > done:
+                    return whole
+                self._changed.wait()

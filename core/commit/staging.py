@@ -98,8 +98,8 @@ class Staging:
     against the free space before anything is written.
     """
 
-    #: told each data file the engine has finished (`core.io.write.fill`): nothing to do before the
-    #: rename here; `ObjectStaging` uploads it then
+    #: told how much of each data file the engine has made final (`core.io.write.fill`): nothing
+    #: to do before the rename here; `ObjectStaging` uploads it as it grows
     filled = None
 
     def __init__(self, dest: Path, *, source: Path | None = None, force: bool = False, sync: bool = True,

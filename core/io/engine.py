@@ -78,10 +78,14 @@ def source_pieces(index: CheckpointIndex, placements: list[Placement]) -> dict[i
 def _fill_file(path: Path, layout: FileLayout, index: CheckpointIndex, pieces: dict[int, Pieces], budget: int,
                progress: Progress, sync: bool, pool: ThreadPoolExecutor, crcs: list[tuple[str, Future]],
                stop: threading.Event, hashing: bool,
-               filled: Callable[[str], None] | None = None) -> list[tuple[Placement, str | None]]:
-    """Fill one file; returns each box with its digest (None when not hashing). `filled` is told
-    the file's name once it is final: filled, and no CRC of it can change it (`final_when_filled`)."""
+               filled: Callable[[str, int], None] | None = None) -> list[tuple[Placement, str | None]]:
+    """Fill one file; returns each box with its digest (None when not hashing). `filled(name,
+    upto)` is told how far from the start the file is final: as each box lands when the file is
+    written front to back (`_front_to_back`), and with its size once it is filled; only for a
+    file no CRC can change afterwards (`final_when_filled`)."""
     check_stop(stop)
+    final = filled is not None and final_when_filled(layout)
+    growing = final and _front_to_back(layout)
     boxes: list[tuple[Placement, str | None]] = []
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -95,6 +99,8 @@ def _fill_file(path: Path, layout: FileLayout, index: CheckpointIndex, pieces: d
                     pwrite_all(fd, memoryview(fixed[done][1]), fixed[done][0])
                     done += 1
                 boxes.append((placement, filler.fill(placement, pieces[id(placement)])))
+                if growing:
+                    filled(layout.name, placement.extents[-1].offset + placement.extents[-1].nbytes)
                 if placement.checksum is not None:
                     crcs.append((placement.checksum, pool.submit(_crc_at, path, placement.extents)))
         for offset, data in fixed[done:]:
@@ -105,9 +111,22 @@ def _fill_file(path: Path, layout: FileLayout, index: CheckpointIndex, pieces: d
             start_writeback(fd)  # the fixed bytes and anything left
     finally:
         os.close(fd)
-    if filled is not None and final_when_filled(layout):
-        filled(layout.name)
+    if final:
+        filled(layout.name, layout.size)
     return boxes
+
+
+def _front_to_back(layout: FileLayout) -> bool:
+    """The fill writes this file in order: every fixed byte lies before the first box, and the
+    boxes' extents follow one another; so once a box is filled, every byte before its end is
+    final."""
+    extents = [e for p in layout.boxes for e in p.extents]
+    if not extents:
+        return False
+    first = extents[0].offset
+    if any(at + len(data) > first for at, data in layout.fixed):
+        return False
+    return all(a.offset + a.nbytes <= b.offset for a, b in zip(extents, extents[1:]))
 
 
 def final_when_filled(layout: FileLayout) -> bool:
@@ -173,14 +192,15 @@ def _rank_stats(placements: list[Placement], pieces: dict[int, Pieces]) -> tuple
 
 def execute(layout: OutputLayout, index: CheckpointIndex, out_dir: Path, *, jobs: int | None = None,
             max_memory: int = DEFAULT_MAX_MEMORY, progress: Progress | None = None,
-            sync: bool = True, hashing: bool = True, filled: Callable[[str], None] | None = None) -> Executed:
+            sync: bool = True, hashing: bool = True, filled: Callable[[str, int], None] | None = None) -> Executed:
     """Create and fill every data file of `layout` in `out_dir`.
 
     The files are not yet durable: `finish` writes the writer's patches and fsyncs them. The
     source ranges whose CRC-32 their format records are checked meanwhile, on the same workers;
     a mismatch fails the run (its output is never committed). With `hashing`, every box's digest
-    is taken from the bytes as they are written (`BoxFiller.fill`). `filled` is told each file
-    that is final as soon as it is (an upload to an object store can start then).
+    is taken from the bytes as they are written (`BoxFiller.fill`). `filled` is told how much of
+    each file is final as soon as it is (`_fill_file`: an upload to an object store goes up as the
+    file grows).
     """
     jobs = max(1, jobs or default_jobs())
     lock = threading.Lock()

@@ -128,11 +128,11 @@ def lay_out(plan: Plan, values: dict, writer) -> OutputLayout:
 
 
 def fill(layout: OutputLayout, source: CheckpointIndex, writer, directory: Path,
-         settings: WriteSettings, filled: Callable[[str], None] | None = None) -> tuple[engine.Executed, Finished]:
+         settings: WriteSettings, filled: Callable[[str, int], None] | None = None) -> tuple[engine.Executed, Finished]:
     """Create and fill the layout's data files in `directory` from `source`, with the writer's
     patches, durable when `settings.sync`; returns what the engine did (with every file's digests
     when `settings.manifest`) and the writer's metadata files (not written: the caller decides
-    where and whether). `filled` is told each data file once it is final (`engine.execute`)."""
+    where and whether). `filled` is told how much of each data file is final (`engine.execute`)."""
     done = engine.execute(layout, source, directory, **_engine_options(settings), hashing=settings.manifest,
                           filled=filled)
     finished = writer.finish(done.crcs)

@@ -19,6 +19,7 @@ import os
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, TypeVar
@@ -273,6 +274,25 @@ class ObjectStore:
             self._store, key, Path(source), chunk_size=UPLOAD_PART, max_concurrency=parts))
         self.forget(key)
 
+    @contextmanager
+    def writer(self, key: str, memory: int = UPLOAD_PART * UPLOAD_CONCURRENCY):
+        """An object written front to back (`write(data)`), multipart, holding at most about
+        `memory` bytes: it exists once the block ends; an error inside the block aborts the
+        upload, and no object appears."""
+        parts = max(1, memory // UPLOAD_PART - 1)  # (besides the part being filled)
+        where = f"{self.url_root}/{key}: cannot write"
+        handle = self._call(where, lambda: self._ob.open_writer(self._store, key, buffer_size=UPLOAD_PART,
+                                                                  max_concurrency=parts))
+        try:
+            yield lambda data: self._call(where, lambda: handle.write(data))
+        except BaseException as exc:
+            handle.__exit__(type(exc), exc, exc.__traceback__)  # (obstore aborts a writer left by an error)
+            raise
+        else:
+            self._call(where, handle.close)
+        finally:
+            self.forget(key)
+
     def put(self, key: str, data: bytes) -> None:
         """Write a small object in one request."""
         self._call(f"{self.url_root}/{key}: cannot write",
@@ -297,10 +317,21 @@ class ObjectStore:
             self.forget(key)
 
     def delete(self, keys: list[str]) -> None:
+        """Delete these objects; one that is not there is fine (S3 says nothing of it, Azure does)."""
         if not keys:
             return
-        self._call(f"{self.url_root}: cannot delete {len(keys)} object(s)",
-                   lambda: self._ob.delete(self._store, list(keys)))
+
+        def attempt() -> None:
+            try:
+                self._ob.delete(self._store, list(keys))
+            except FileNotFoundError:
+                for key in keys:  # one at a time then: the others must still go
+                    try:
+                        self._ob.delete(self._store, key)
+                    except FileNotFoundError:
+                        pass
+
+        self._call(f"{self.url_root}: cannot delete {len(keys)} object(s)", attempt)
         for key in keys:
             self.forget(key)
 
