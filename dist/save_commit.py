@@ -10,7 +10,6 @@ import re
 import shutil
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,12 +18,14 @@ from hpckpt.core.commit import manifest
 from hpckpt.core.commit.durable import spool_root, write_error
 from hpckpt.core.commit.leftovers import WRITING
 from hpckpt.core.commit.object_staging import UPLOAD_FILES
+from hpckpt.core.commit.object_uploads import Uploads
 from hpckpt.core.commit.rank_local import publish_rank_part
 from hpckpt.core.errors import HpckptError, SaveError
 from hpckpt.core.io.accounting import check_written
 from hpckpt.core.io.memory_source import memory_index
 from hpckpt.core.io.output import Finished
 from hpckpt.core.io.write import WriteSettings, fill, lay_out
+from hpckpt.core.storage.object_store import UPLOAD_CONCURRENCY, UPLOAD_PART
 from hpckpt.dist import manifest_parts
 from hpckpt.dist.coordination import Restarted, Storage, confirm_and_wait
 from hpckpt.dist.results import SaveResult
@@ -49,10 +50,12 @@ def persist(planned: PlannedSave) -> SaveResult:
         raise SaveError("storage coordination: the coordinator restarted the save three times")
 
 
-def _write_own(planned: PlannedSave, plan, directory: Path, lengths) -> tuple[list[list], int, Finished, list]:
+def _write_own(planned: PlannedSave, plan, directory: Path, lengths,
+               uploads: Uploads | None = None) -> tuple[list[list], int, Finished, list]:
     """This rank's files of `plan` (the boxes it stores, the values it stores) in `directory`,
     through the writer, engine and accounting every command uses (`core.io.write`); returns them,
-    their bytes, the writer's metadata of `plan` and their digests."""
+    their bytes, the writer's metadata of `plan` and their digests. With `uploads` (a checkpoint
+    in an object store) each file goes up as the engine writes it; a failed write removes them."""
     request = planned.request
     own = {v.fqn: request.local.payloads[v.fqn] for v in plan.values if v.rank in plan.producing}
     writer = request.format.writer(request.framework.NAME, lengths, own)
@@ -62,8 +65,12 @@ def _write_own(planned: PlannedSave, plan, directory: Path, lengths) -> tuple[li
         request.progress.start(layout.nbytes)
     try:
         sync = not request.remote  # (a spool is scratch: the store makes the objects durable)
-        done, finished = fill(layout, source, writer, directory, WriteSettings(sync=sync, progress=request.progress))
+        done, finished = fill(layout, source, writer, directory, WriteSettings(sync=sync, progress=request.progress),
+                              filled=uploads.filled if uploads is not None else None)
     except BaseException as exc:
+        if uploads is not None:
+            uploads.cancel()
+            request.path.store.delete([(request.path / name).key for name in uploads.uploaded])
         for f in layout.files:  # what this rank began: on a full disk, the room to report the error
             (directory / f.name).unlink(missing_ok=True)
         if isinstance(exc, OSError) and not isinstance(exc, HpckptError):
@@ -85,11 +92,15 @@ def _persist_together(planned: PlannedSave) -> SaveResult:
     own_error = None
     try:
         plan = replace(gp.plan([rank]), producing=(rank,))
+        uploads = None
+        if request.remote:  # this rank's files go up as they are written, then its manifest part
+            uploads = Uploads(request.path.store, request.staging_path, lambda name: (request.path / name).key,
+                              files=UPLOAD_FILES, memory=UPLOAD_PART * UPLOAD_CONCURRENCY)
         mine["files"], mine["bytes"], _finished, digests = _write_own(planned, plan, request.staging_path,
-                                                                      gp.value_lengths)
+                                                                      gp.value_lengths, uploads)
         mine["digests"] = manifest_parts.write_part(request.staging_path, rank, digests)
-        if request.remote:  # this rank's files and manifest part go up now
-            _upload_own(request, [name for name, _ in mine["files"]] + [manifest_parts.part_name(rank)])
+        if uploads is not None:
+            uploads.upload_rest([name for name, _ in mine["files"]] + [manifest_parts.part_name(rank)])
     except Exception as exc:
         mine["error"], own_error = error_text(exc), exc
     writing = time.perf_counter() - t0
@@ -122,18 +133,6 @@ def _persist_together(planned: PlannedSave) -> SaveResult:
                       plan_cache=planned.cache_state, files=files, bytes_written=mine["bytes"],
                       job_bytes_written=total, committed=True, planning=planned.planning, writing=writing,
                       blocked=time.perf_counter() - request.started)
-
-
-def _upload_own(request, names: list[str]) -> None:
-    """Upload this rank's files from its spool to their final keys (several at once, each in
-    parallel parts), removing each local copy once it is up."""
-    def up(name: str) -> None:
-        local = request.spool / name
-        request.path.store.upload((request.path / name).key, local)
-        local.unlink()
-
-    with ThreadPoolExecutor(UPLOAD_FILES) as pool:
-        list(pool.map(up, names))
 
 
 def _commit(planned: PlannedSave, answers: list[dict]) -> None:

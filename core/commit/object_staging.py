@@ -34,26 +34,24 @@ import tempfile
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hpckpt.core.commit import formats
 from hpckpt.core.commit.destination import refuse_unsafe
 from hpckpt.core.commit.durable import check_space, spool_root
 from hpckpt.core.commit.leftovers import WRITING, describe_mark, mark_is_alive, read_mark, writing_mark
+from hpckpt.core.commit.object_uploads import Uploads
 from hpckpt.core.errors import (
     DestinationExistsError,
     DestinationLockedError,
     HpckptError,
     UnsafeDestinationError,
 )
-from hpckpt.core.storage.object_store import SINGLE_PUT, UPLOAD_CONCURRENCY, UPLOAD_PART
+from hpckpt.core.storage.object_store import UPLOAD_CONCURRENCY, UPLOAD_PART
 
 #: Data files uploaded at once; `memory` (the part of `--max-memory` that is not the engine's:
 #: `core.io.write`) is shared between them as parts in flight (`core.storage.object_store`).
 UPLOAD_FILES = 2
-#: A streamed upload reads the spool this much at a time into the part being filled.
-STREAM_PIECE = 1 << 20
 
 
 class ObjectStaging:
@@ -64,20 +62,13 @@ class ObjectStaging:
         self.dest, self.force, self.file_output = dest, force, file_output
         # files going up at once: as many as `memory` holds at two parts each (one going up, the
         # next being read), at most UPLOAD_FILES; each gets its share as parts in flight
-        self._files = 1 if file_output else max(1, min(UPLOAD_FILES, memory // (2 * UPLOAD_PART)))
-        self._part_memory = max(2 * UPLOAD_PART, memory // self._files)
+        files = 1 if file_output else max(1, min(UPLOAD_FILES, memory // (2 * UPLOAD_PART)))
         self.store = dest.store
         self.sync = False  # the spool is scratch: durability is the store's
         self._marks: list[str] = []
         self._others: list[str] = []
-        self._uploaded: list[str] = []
-        self._early: dict[str, tuple] = {}  # uploaded while the engine wrote the rest: name -> (size, mtime)
-        self._pool: ThreadPoolExecutor | None = None
         self._announced: list[str] = []
         self._announcing = threading.Lock()
-        self._pending: list = []
-        self._streams: dict[str, _Stream] = {}
-        self._output_stream: tuple | None = None  # a single-file output's stream, completed by `commit`
         self._done = False
         self._held = False
         self.mark = writing_mark(dest, file_output)
@@ -92,6 +83,10 @@ class ObjectStaging:
         except BaseException:
             self._release_mark()
             raise
+        # (a single-file output is its own completion mark: streamed, but completed by `commit`)
+        self.uploads = Uploads(self.store, self.path, self._key, files=files,
+                               memory=max(2 * UPLOAD_PART, memory // files), announce=self._announce,
+                               held=(dest.name,) if file_output else ())
 
     # -- the writer's mark ----------------------------------------------------------------------
 
@@ -199,72 +194,14 @@ class ObjectStaging:
     # -- the protocol of `Staging` ----------------------------------------------------------------
 
     def filled(self, name: str, upto: int) -> None:
-        """The engine made bytes `[0, upto)` of data file `name` final (no patch will follow;
-        `upto` is its size once it is filled): a file larger than one PUT goes up part by part
-        as it grows (`_Stream`), a smaller one once whole, while the engine fills the rest."""
-        stream = self._streams.get(name)
-        if stream is None:
-            size = (self.path / name).stat().st_size  # (created at its final size)
-            # a single-file output is its own completion mark: it may not exist before its sidecars
-            # (`commit`), so it goes up whole then, or streams now and is completed then
-            output = self.file_output and name == self.dest.name
-            if upto < size and (size <= SINGLE_PUT or upto < UPLOAD_PART) or (output and upto >= size):
-                return  # whole, later
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._files, thread_name_prefix="hpckpt-upload")
-            if upto >= size:
-                self._pending.append(self._pool.submit(self._upload_early, name))
-                return
-            stream = self._streams[name] = _Stream(size, held=output)  # (one engine worker fills a file)
-            future = self._pool.submit(self._stream, name, stream)
-            if output:
-                self._output_stream = (name, stream, future)
-            else:
-                self._pending.append(future)
-        stream.advance(upto)
+        """The engine made bytes `[0, upto)` of data file `name` final: it goes up as it grows
+        (`core.commit.object_uploads`) while the engine fills the rest."""
+        self.uploads.filled(name, upto)
 
     def _announce(self, name: str) -> None:
         with self._announcing:  # the mark names it before it goes up: a kill leaves nothing unnamed
             self._announced.append(name)
             self.store.put(self.mark.key, self._record(list(self._announced)))
-
-    def _upload_early(self, name: str) -> None:
-        st = (self.path / name).stat()
-        self._announce(name)
-        self._upload(name)
-        self._early[name] = (st.st_size, st.st_mtime_ns)
-
-    def _stream(self, name: str, stream: "_Stream") -> None:
-        """Upload `name` from the spool as the engine makes it final, a part at a time."""
-        self._announce(name)
-        self._uploaded.append(name)  # (before: a failed upload may still land)
-        with open(self.path / name, "rb", buffering=0) as f, \
-                self.store.writer(self._key(name), self._part_memory) as write:
-            done = 0
-            while done < stream.size:
-                ready = stream.wait(done)
-                while done < ready:
-                    piece = f.read(min(STREAM_PIECE, ready - done))
-                    if not piece:
-                        raise HpckptError(f"{self.path / name}: the spool file ended early")
-                    write(piece)
-                    done += len(piece)
-            stream.wait_release()  # (the object exists once the block ends)
-        st = (self.path / name).stat()
-        self._early[name] = (st.st_size, st.st_mtime_ns)
-
-    def _finish_early(self) -> None:
-        """Wait for the early uploads (their errors are the commit's)."""
-        pending, self._pending = self._pending, []
-        for future in pending:
-            future.result()
-
-    def _unchanged(self, name: str) -> bool:
-        """Uploaded early, and the spool's copy not written since (else it goes up again)."""
-        if name not in self._early:
-            return False
-        st = (self.path / name).stat()
-        return self._early[name] == (st.st_size, st.st_mtime_ns)
 
     def write_metadata(self, files, *, marks: bool = True) -> None:
         for name, data in files:
@@ -278,31 +215,23 @@ class ObjectStaging:
             last = [self.dest.name]
         middle = [n for n in self._others if n in staged and n not in last]
         first = [n for n in staged if n not in last and n not in middle]
-        self._finish_early()  # (no thread rewrites the mark from here on)
+        self.uploads.finish()  # (no thread rewrites the mark from here on)
         self.store.put(self.mark.key, self._record(staged))  # a killed upload's objects can be found
         self._confirm_mark()
-        with ThreadPoolExecutor(self._files) as pool:
-            list(pool.map(self._upload, [n for n in first if not self._unchanged(n)]))
+        self.uploads.upload_rest(first)
         for name in middle:
-            self._upload(name)
+            self.uploads.upload(name)
         self._confirm_mark()  # still ours, right before the output becomes complete
         for name in last:
-            if self._output_stream is not None and self._output_stream[0] == name:  # streamed: completed now
-                self._output_stream[1].release()
-                self._output_stream[2].result()
-            elif self.file_output:
-                self._upload(name)
+            if self.file_output:
+                if not self.uploads.complete(name):  # (streamed: completed now)
+                    self.uploads.upload(name)
             elif self.store.create(self._key(name), (self.path / name).read_bytes()):
-                self._uploaded.append(name)
+                self.uploads.uploaded.append(name)
             else:
                 raise DestinationLockedError(f"{self.dest}: another run completed it meanwhile")
         self._done = True
         self._release_mark()
-
-    def _upload(self, name: str) -> None:
-        key = self._key(name)
-        self.store.upload(key, self.path / name, self._part_memory)
-        self._uploaded.append(name)
 
     def __enter__(self) -> "ObjectStaging":
         return self
@@ -311,63 +240,13 @@ class ObjectStaging:
         self.close()
 
     def close(self) -> None:
-        for stream in self._streams.values():  # a stream waiting for a fill that failed: aborted
-            stream.cancel()
-        if self._pool is not None:  # no upload may land after the clean-up below
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        self.uploads.cancel()  # no upload may land after the clean-up below
         try:
             if not self._done and self._held:
                 try:
-                    self._delete(list(self._uploaded))
+                    self._delete(list(self.uploads.uploaded))
                 finally:
                     self._release_mark()
         finally:
             shutil.rmtree(self.path, ignore_errors=True)
 
-
-class _Stream:
-    """How far the engine has made a file final, for the upload that follows it: whole parts
-    are handed over as they become final, the rest once the file is filled."""
-
-    def __init__(self, size: int, held: bool = False):
-        self.size = size
-        self._upto = 0
-        self._cancelled = False
-        self._held = held  # completed only once released (`ObjectStaging.commit`)
-        self._changed = threading.Condition()
-
-    def advance(self, upto: int) -> None:
-        with self._changed:
-            if upto > self._upto:
-                self._upto = upto
-                self._changed.notify()
-
-    def release(self) -> None:
-        with self._changed:
-            self._held = False
-            self._changed.notify()
-
-    def wait_release(self) -> None:
-        with self._changed:
-            while self._held and not self._cancelled:
-                self._changed.wait()
-            if self._cancelled:
-                raise HpckptError("the write failed: its upload is abandoned")
-
-    def cancel(self) -> None:
-        with self._changed:
-            self._cancelled = True
-            self._changed.notify()
-
-    def wait(self, done: int) -> int:
-        """Where the next upload may read up to, beyond `done`: whole parts, or the end."""
-        with self._changed:
-            while True:
-                if self._cancelled:
-                    raise HpckptError("the write failed: its upload is abandoned")
-                if self._upto >= self.size:
-                    return self.size
-                whole = done + (self._upto - done) // UPLOAD_PART * UPLOAD_PART
-                if whole > done:
-                    return whole
-                self._changed.wait()
