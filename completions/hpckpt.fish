@@ -245,7 +245,7 @@ complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcomma
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from load' -F
 
 # hpckpt run reshard
-complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from reshard' -l output -s o -r -F -d 'Destination directory (HyperParallel DCP; a path or a new s3:// prefix).'
+complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from reshard' -l output -s o -r -F -d 'Destination directory (HyperParallel DCP; a path or an s3:// URL).'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from reshard' -l world-size -s w -x -d 'FSDP-style target: dim 0 split over N ranks.'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from reshard' -l split -x -a 'balanced ceil' -d 'Uneven split rule: balanced (HyperParallel) or ceil (PyTorch).'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from reshard' -l mesh -x -d 'Target device mesh, e.g. 2x4.'

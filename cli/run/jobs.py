@@ -80,7 +80,7 @@ def load(
 def reshard(
     ctx: typer.Context,
     src: opt.Source,
-    out: Annotated[Path, typer.Option("--output", "-o", parser=location, help="Destination directory (HyperParallel DCP; a path or a new s3:// prefix).")],
+    out: Annotated[Path, typer.Option("--output", "-o", parser=location, help="Destination directory (HyperParallel DCP; a path or an s3:// URL).")],
     layout: TargetLayout = TargetLayout(),
     select: Select = Select(),
     dtype: opt.DType = None,

@@ -54,6 +54,28 @@ from hpckpt.core.storage.object_store import UPLOAD_CONCURRENCY, UPLOAD_PART
 UPLOAD_FILES = 2
 
 
+def recognised_checkpoint(dest):
+    """The index of the checkpoint at `dest`, which `--force` may replace.
+
+    Raises:
+        UnsafeDestinationError: what is there is no checkpoint hpckpt recognises.
+    """
+    try:
+        return formats.known().open_index(dest)
+    except HpckptError as exc:
+        raise UnsafeDestinationError(f"{dest} holds objects hpckpt does not recognise as a checkpoint "
+                                     f"({exc.message}); --force replaces only a checkpoint",
+                                     hint="remove them, or write somewhere else") from None
+
+
+def completion_marks_first(dest, names: list[str]) -> tuple[list[str], list[str]]:
+    """The objects of the checkpoint at `dest` (`names`, relative) that `--force` removes, as
+    (its completion marks, the rest): removed in that order, it is no checkpoint from the first
+    deletion on, never a mix of old and new."""
+    marks = [n for n in names if n in set(recognised_checkpoint(dest).metadata_files)]
+    return marks, [n for n in names if n not in marks]
+
+
 class ObjectStaging:
     """`core.commit.staging.Staging` for a destination in an object store: same protocol."""
 
@@ -160,17 +182,11 @@ class ObjectStaging:
             return None
         if not self.force:
             raise DestinationExistsError(f"{self.dest} exists", hint="--force replaces it")
-        try:
-            index = formats.known().open_index(self.dest)
-        except HpckptError as exc:
-            raise UnsafeDestinationError(f"{self.dest} holds objects hpckpt does not recognise as a checkpoint "
-                                         f"({exc.message}); --force replaces only a checkpoint",
-                                         hint="remove them, or write somewhere else") from None
         if self.file_output:
+            recognised_checkpoint(self.dest)
             return [], existing + [s for s in formats.known().sidecars_of(self.dest.name)
                                    if (self.dest.parent / s).is_file()]
-        marks = [n for n in existing if n in set(index.metadata_files)]
-        return marks, [n for n in existing if n not in marks]
+        return completion_marks_first(self.dest, existing)
 
     def _clear_existing(self, replaced: tuple[list[str], list[str]] | None) -> None:
         """Remove the output being replaced, completion marks first: from then on it is no

@@ -4,7 +4,7 @@ removed only once the new one is finalized, or put back if the run fails.
 
 The aside name is the one `Staging` gives an output it moves aside (`.NAME.hpckpt-tmp-old-PID`),
 so what a killed run leaves is explained by `leftover` and put back by the next run. A prefix
-in an object store is written only when it is new (`_prepare_prefix`).
+in an object store has no rename: `--force` removes the old output first (`_prepare_prefix`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from hpckpt.core.commit.destination import refuse_existing, refuse_staging_name
 from hpckpt.core.commit.leftovers import TMP_MARK
 from hpckpt.core.commit.lock import DestinationLock, ReplaceLock
+from hpckpt.core.commit.object_staging import completion_marks_first
 from hpckpt.core.errors import DestinationExistsError
 from hpckpt.core.storage.object_path import is_object
 from hpckpt.core.storage.urls import as_path
@@ -50,15 +51,20 @@ class SetAside:
                 replacing.release()
 
     def _prepare_prefix(self) -> None:
-        """In an object store there is no rename to set an output aside with: a prefix that
-        holds anything is refused, `--force` or not (`hpckpt reshard --force` replaces one)."""
-        self.dest.store.refresh(self.dest.key)
-        if self.dest.exists():
-            raise DestinationExistsError(
-                f"{self.dest} exists" + (" (in an object store, `hpckpt run reshard` does not replace an output)"
-                                         if self.force else ""),
-                hint="remove it, or write to a new prefix" + (" (or use `hpckpt reshard --force`)" if self.force
-                                                              else ""))
+        """In an object store there is no rename to set an output aside with: with `--force`, a
+        checkpoint there is removed first, completion marks first (from then on the prefix holds
+        no checkpoint, and a failed run cannot put it back); anything else is refused."""
+        store = self.dest.store
+        store.refresh(self.dest.key)
+        if self.dest.is_dir():
+            if not self.force:
+                raise DestinationExistsError(f"{self.dest} exists", hint="--force replaces it")
+            marks, rest = completion_marks_first(self.dest, sorted(store.walk(self.dest.key)))
+            for names in (marks, rest):
+                store.delete([(self.dest / name).key for name in names])
+        elif self.dest.is_file():
+            raise DestinationExistsError(f"{self.dest} exists and is an object, not a prefix",
+                                         hint="write to a new prefix")
         self.created = True
 
     def finished(self) -> None:
