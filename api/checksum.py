@@ -24,7 +24,6 @@ from hpckpt.core.commit.lock import reading
 from hpckpt.core.commit.replace import replace_file
 from hpckpt.core.errors import ERROR_CLASSES, CorruptDataError, DestinationExistsError
 from hpckpt.core.io import digest
-from hpckpt.core.paths import resolve_inside
 from hpckpt.core.safety import input_files
 from hpckpt.core.safety.validate import Finding, exit_code, validate
 from hpckpt.core.storage.object_path import is_object
@@ -55,12 +54,12 @@ def checksum(path: str | Path, *, force: bool = False, jobs: int | None = None, 
         names = list(index.data_files)
         sizes = {}
         for name in names:
-            sizes[name] = resolve_inside(index.root, name).stat().st_size
+            sizes[name] = index.data_path(name).stat().st_size
         if progress is not None:
             progress.start(sum(sizes.values()))
         counted = _Progress(progress)
         with workers(jobs, counted) as pool:
-            futures = [pool.submit(_hash_file, index.root, name, sizes[name], stored.boxes.get(name, []), counted)
+            futures = [pool.submit(_hash_file, index.data_path(name), name, sizes[name], stored.boxes.get(name, []), counted)
                        for name in sorted(names, key=lambda n: -sizes[n])]
             by_name = {f.name: f for f in (future.result() for future in futures)}
         files = [by_name[name] for name in names]
@@ -94,8 +93,8 @@ def _refuse_errors(index) -> None:
               hint="`hpckpt verify` lists every error; a checkpoint is checksummed once it is complete and sound")
 
 
-def _hash_file(root: Path, name: str, size: int, boxes: list, progress: _Progress) -> manifest.FileDigest:
-    fd = input_files.open_handle(resolve_inside(root, name))
+def _hash_file(path: Path, name: str, size: int, boxes: list, progress: _Progress) -> manifest.FileDigest:
+    fd = input_files.open_handle(path)
     try:
         got = digest.scan_file(fd, size, [b.extents for b in boxes], progress)
     except digest.ScanError as exc:

@@ -76,4 +76,4 @@ def inspect(path: str | Path, select: Selection = Selection(), shards: Iterable[
                 "chunks": sum(t.n_chunks for t in index.tensors.values()),
                 "tensor_bytes": sum(t.nbytes for t in index.tensors.values())},
         tensors=tensors, values=tuple(_value(index, fqn, decode_values) for fqn in select.names(index.values)),
-        shards=listed, notes=(*index.warnings, *index.notes))
+        shards=listed, notes=(*index.warnings, *index.notes), based_on=tuple(index.baselines))

@@ -155,6 +155,8 @@ def write(command: str, src: str | Path, dst: str | Path, source: CheckpointInde
                (f for f in source.values if wanted is None or f in wanted))
     writer = target.format.writer(WriterOptions(name=dst.name, framework=target.framework,
                                                 source_framework=source.framework,
+                                                source_version=source.format_version if source.format.startswith(
+                                                    "hyperparallel") else None,
                                                 max_shard_bytes=target.max_shard_bytes, crc=target.crc,
                                                 user_metadata=tuple(source.user_metadata.items())))
     layouts = not target.format.whole_tensors

@@ -159,6 +159,7 @@ class InspectReport(Report):
     shards: tuple[dict, ...] | None = None
     notes: tuple[str, ...] = ()
     world_size_exact: bool = False  # True: recorded by hpckpt's writer; False: at least, from file names
+    based_on: tuple[str, ...] = ()  # the checkpoints beside it an incremental save points into (`../NAME`)
 
     def to_json(self) -> dict:
         doc = {
@@ -166,6 +167,7 @@ class InspectReport(Report):
             "path": self.path,
             "format": self.format,
             "format_version": self.format_version,
+            "based_on": list(self.based_on),
             "framework": self.framework,
             "world_size": self.world_size,
             "world_size_exact": self.world_size_exact,

@@ -39,7 +39,6 @@ from hpckpt.core.geometry.tiles import contiguous_tiles
 from hpckpt.core.index import CheckpointIndex, Chunk, Location, TensorEntry
 from hpckpt.core.io import digest
 from hpckpt.core.io.read import OpenFiles, read_region
-from hpckpt.core.paths import resolve_inside
 from hpckpt.core.safety import input_files
 from hpckpt.core.safety.validate import Finding, validate
 from hpckpt.core.storage.readers import close_handle, handle_size
@@ -154,7 +153,7 @@ def _deep(index: CheckpointIndex, ckpt: Path, findings: list[Finding], nan: bool
         scans = []
         if lines is not None:
             doc["manifest_used"] = True
-            scans = [pool.submit(_scan, index.root, f, counted) for f in lines if f.name not in gone]
+            scans = [pool.submit(_scan, index, f, counted) for f in lines if f.name not in gone]
         tasks = [pool.submit(_read_task, index, task, nan, counted) for task in _tasks(reads)]
         for future in scans:
             found_here, boxes = future.result()
@@ -252,11 +251,11 @@ def _merged(extents: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in out]
 
 
-def _scan(root: Path, line: manifest.FileDigest, progress: _Progress) -> tuple[list[Finding], int]:
+def _scan(index: CheckpointIndex, line: manifest.FileDigest, progress: _Progress) -> tuple[list[Finding], int]:
     """One data file read once and compared with its manifest line."""
     name = line.name
     try:
-        path = resolve_inside(root, name)
+        path = index.data_path(name)
         fd = input_files.open_handle(path)
     except HpckptError as exc:
         return [Finding(exc.kind, "error", exc.message, file=name)], 0

@@ -58,6 +58,8 @@ def render(doc: dict) -> None:
     summary.add_column(style="bold")
     summary.add_row("Checkpoint", Text(printable(doc["path"])))
     summary.add_row("Format", Text(printable(f"{doc['format']} {doc['format_version']}{framework}")))
+    if doc.get("based_on"):  # an incremental save: files of these checkpoints are read too
+        summary.add_row("Based on", Text(printable(", ".join(doc["based_on"]))))
     summary.add_row("World size", _world_size(world, doc.get("world_size_exact", False)))
     summary.add_row("Files", f"{len(doc['files'])} ({n_meta} metadata, {len(doc['files']) - n_meta} data), {human_bytes(doc['total_bytes'])}")
     summary.add_row("Tensors", f"{counts['tensors']} in {counts['chunks']} chunks, {human_bytes(counts['tensor_bytes'])}")

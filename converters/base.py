@@ -70,6 +70,7 @@ class WriterOptions:
     name: str = ""
     framework: str | None = None
     source_framework: str | None = None
+    source_version: str | None = None  # the source's format version, which a writer of that format keeps
     max_shard_bytes: int = 5 * 10**9
     crc: bool = False
     user_metadata: tuple[tuple[str, str], ...] = ()  # a safetensors source's own __metadata__ keys

@@ -35,8 +35,9 @@ ZIP_MAGIC = b"PK\x03\x04"
 class DataFileLocator:
     """`Locator` for checkpoints whose tensors are keys of per-rank data files under `root`."""
 
-    def __init__(self, root: Path, value_replicas: Iterable[ValueEntry] = ()):
+    def __init__(self, root: Path, value_replicas: Iterable[ValueEntry] = (), siblings: bool = False):
         self.root = root
+        self.siblings = siblings  # files of the checkpoints beside it may be named (`resolve_inside`)
         # values an index holds once but more files store (each rank's copy): checked by file_problems
         self._replicas: dict[str, list[ValueEntry]] = {}
         for entry in value_replicas:
@@ -48,7 +49,7 @@ class DataFileLocator:
         self.warnings: list[str] | None = None  # the index's: values that are no pickle are noted there
 
     def path(self, relative: str) -> Path:
-        return resolve_inside(self.root, relative)
+        return resolve_inside(self.root, relative, self.siblings)
 
     def tensor_table(self, relative: str) -> dict[str, Location]:
         """Return key -> Location for every tensor in the data file `relative` (cached)."""

@@ -23,6 +23,7 @@ import numpy as np
 from hpckpt.core.dtypes import DType
 from hpckpt.core.errors import CorruptMetadataError
 from hpckpt.core.geometry.box import Box
+from hpckpt.core.paths import resolve_inside
 
 
 def int_rows(rows: Sequence[Sequence[int]], ndim: int, what: str = "a chunk") -> np.ndarray:
@@ -208,6 +209,17 @@ class CheckpointIndex:
     warnings: list[str] = field(default_factory=list)
     # a safetensors source's own `__metadata__` keys, which safetensors and hf outputs carry on
     user_metadata: dict[str, str] = field(default_factory=dict)
+
+    def data_path(self, name: str) -> Path:
+        """Where data file `name` lies: inside the checkpoint or, for a format whose saves may be
+        incremental (the locator says so), in a checkpoint beside it (`core.paths.resolve_inside`)."""
+        return resolve_inside(self.root, name, getattr(self.locator, "siblings", False))
+
+    @property
+    def baselines(self) -> list[str]:
+        """The checkpoints beside this one that an incremental save points into (`../NAME`)."""
+        names = {f.split("/")[1] for f in self.data_files if f.startswith("../") and f.count("/") >= 2}
+        return sorted(f"../{n}" for n in names - {"", ".", ".."})  # (those only refused: `resolve_inside`)
 
     def locate(self, chunk: Chunk, entry: TensorEntry) -> Location | BufferLocation:
         return self.locator.locate(chunk, entry)

@@ -10,13 +10,17 @@ from hpckpt.core.errors import MissingFileError, UnsafePathError
 
 
 @functools.lru_cache(maxsize=65536)
-def resolve_inside(root: Path, relative: str) -> Path:
+def resolve_inside(root: Path, relative: str, siblings: bool = False) -> Path:
     """Return `root/relative`, refusing absolute paths and paths that climb out of `root`.
+
+    With `siblings` (HyperParallel's incremental saves), `../NAME/FILE` is followed too when
+    `NAME` is another checkpoint directory beside `root` (`baseline_of`).
 
     Cached: readers ask for the same few files once per chunk, and resolving costs `lstat`s.
 
     Raises:
-        UnsafePathError: `relative` is absolute or resolves outside `root` (e.g. `../x`).
+        UnsafePathError: `relative` is absolute or resolves outside `root` (e.g. `../x`) and,
+            with `siblings`, outside every checkpoint beside it.
     """
     if not relative or os.path.isabs(relative) or relative.startswith(("\\", "/")):
         raise UnsafePathError(f"path {relative!r} in the metadata is not relative to the checkpoint")
@@ -29,9 +33,35 @@ def resolve_inside(root: Path, relative: str) -> Path:
         target = (root_resolved / relative).resolve()
     except (RuntimeError, OSError):  # a symlink loop (RuntimeError up to Python 3.12, ELOOP after)
         raise MissingFileError(f"{root / relative}: is a symlink loop, not a file") from None
+    if siblings and relative.startswith("../") and baseline_of(root, relative) is not None:
+        return target
     if target != root_resolved and root_resolved not in target.parents:
         raise UnsafePathError(
             f"path {relative!r} in the metadata leaves the checkpoint directory {root}",
             hint="incremental saves can point at an earlier checkpoint: copy those files into this directory",
         )
     return target
+
+
+#: What marks a directory as a checkpoint an incremental save may point into.
+BASELINE_MARK = ".metadata"
+
+
+def baseline_of(root: Path, relative: str) -> Path | None:
+    """The sibling checkpoint directory `../NAME/...` points into, or None when it does not:
+    `NAME` must be another directory directly beside `root` (not `root` itself, not a link to
+    elsewhere) holding a checkpoint (`BASELINE_MARK`), and the path, resolved, must stay inside it."""
+    parts = relative.split("/")
+    if len(parts) < 3 or parts[0] != ".." or parts[1] in ("", ".", "..") or any(p in ("", ".", "..") for p in parts[2:]):
+        return None
+    parent = root.resolve().parent
+    sibling = parent / parts[1]
+    try:
+        if sibling.is_symlink() or not sibling.is_dir() or sibling == root.resolve():
+            return None
+        if not (sibling / BASELINE_MARK).is_file():
+            return None
+        target = (sibling / "/".join(parts[2:])).resolve()
+    except (RuntimeError, OSError):
+        return None
+    return sibling if sibling in target.parents else None

@@ -110,10 +110,10 @@ class HyperParallelReader:
         names = metadata_files(path)
         index = None
         if use_cache:  # a manifest's listing first: it lives in the checkpoint and is checked against it
-            index = index_cache.from_manifest(path, names, DataFileLocator(path), lambda: self._parse(path, names))
+            index = index_cache.from_manifest(path, names, DataFileLocator(path, siblings=True), lambda: self._parse(path, names))
         if use_cache and index is None:  # the record is part of the cache's identity: a changed one is read again
             identity = names + [n for n in (manifest.NAME, hpckpt_json.NAME) if lexists(path / n)]
-            index = index_cache.load(path, identity, DataFileLocator(path), lambda: self._parse(path, names))
+            index = index_cache.load(path, identity, DataFileLocator(path, siblings=True), lambda: self._parse(path, names))
         if index is not None:
             hpckpt_json.apply(index)  # the snapshot has the world size, not the record's warnings
         else:
@@ -123,6 +123,10 @@ class HyperParallelReader:
             if use_cache:
                 inferred_layouts(index)  # the snapshot keeps what inspect derives
                 index_cache.store(index)
+        unknown = [v for v in index.format_version.split(",") if v not in KNOWN_VERSIONS]
+        if unknown:
+            index.warnings.append(f"metadata version {', '.join(map(repr, unknown))} is not one hpckpt knows "
+                                  f"({', '.join(KNOWN_VERSIONS)}); read as they are (the same classes)")
         index.locator.warnings = index.warnings  # a value read as raw bytes is said so (DataFileLocator)
         return index
 
@@ -147,7 +151,7 @@ class HyperParallelReader:
         for name in names:
             legacy |= _LEGACY_PREFIX.encode() in sniff_head(path / name)
             metadata = _read_pickle(path, name)
-            versions.add(str(metadata.__dict__.get("version", "1.0")))
+            versions.add(metadata_version(metadata))
             _Source(metadata, name).merge_into(tensors, values, replicas)
             files.update(storage_paths(metadata.storage_data, name))
             if isinstance(metadata.planner_data, dict):
@@ -164,10 +168,22 @@ class HyperParallelReader:
             values=values,
             metadata_files=names,
             data_files=data_files,
-            locator=DataFileLocator(path, value_replicas=replicas),
+            locator=DataFileLocator(path, value_replicas=replicas, siblings=True),
             world_size=max(ranks) + 1 if ranks else None,
             planner_data=planner_data or None,
         )
+
+
+#: `Metadata.version` values HyperParallel has written: "1.0" (the default, often absent from the
+#: pickle) and "2.0" (a label of one development line, with no change of layout: the format
+#: delta, A2-A3). Versions are labels, never compared as strings.
+KNOWN_VERSIONS = ("1.0", "2.0")
+
+
+def metadata_version(metadata: Metadata) -> str:
+    """The version a `.metadata` says it is ("1.0" when it says none), printable."""
+    version = metadata.__dict__.get("version", "1.0")
+    return version if isinstance(version, str) and version.isprintable() and len(version) <= 32 else repr(version)[:40]
 
 
 class _Source:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hpckpt.converters.base import WriterOptions
+from hpckpt.converters.hyperparallel.reader import KNOWN_VERSIONS
 from hpckpt.core.codecs.hyperparallel_metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -91,6 +92,9 @@ class HyperParallelWriter:
         ranks each write their own); `payloads`: values this process pickled already (as
         `value_payload` does). `layout` is then given only the values neither covers."""
         self.mindspore = (options.framework or options.source_framework) == "mindspore"
+        # the source's metadata version when it is one HyperParallel wrote ("2.0" is a label, the
+        # layout is the same: both lines' loaders read either), else the default
+        self.version = options.source_version if options.source_version in KNOWN_VERSIONS else "1.0"
         self._plan: Plan | None = None
         self._given: dict[str, bytes] = dict(payloads or {})
         self._payloads: dict[str, bytes] = {}
@@ -148,7 +152,7 @@ class HyperParallelWriter:
                 length = self._lengths[value.fqn]
                 storage[MetadataIndex(value.fqn)] = StorageInfo(values_file(rank), position, length)
                 position += length
-        return Metadata(state, planner_data=dict(plan.nesting) or None, storage_data=storage)
+        return Metadata(state, planner_data=dict(plan.nesting) or None, storage_data=storage, version=self.version)
 
     def _tensor_metadata(self, tensor: PlannedTensor) -> TensorStorageMetadata:
         chunks = [ChunkStorageMetadata(b.box.offsets, b.box.sizes) for b in tensor.boxes]

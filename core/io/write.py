@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hpckpt.core.commit import manifest
+from hpckpt.core.commit.destination import refuse_unsafe
 from hpckpt.core.commit.durable import write_error
 from hpckpt.core.commit.fan_out import Fragment
 from hpckpt.core.commit.staging import staging_for
@@ -99,6 +100,8 @@ def write_plan(plan: Plan, source: CheckpointIndex, writer, dest: Path, settings
         WriteFailedError: the system refused another write; nothing is left behind either way.
     """
     dest = as_path(dest)
+    for baseline in source.baselines:  # an incremental source reads the checkpoints it points into too
+        refuse_unsafe(dest, source.root / baseline)
     values = {v.fqn: source.decode_value(v.fqn) for v in plan.values}  # before anything is written
     layout = lay_out(plan, values, writer)
     progress = settings.progress

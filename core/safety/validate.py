@@ -24,7 +24,6 @@ from hpckpt.core.geometry.box import Box
 from hpckpt.core.geometry.overlap import ChunkIndex, boxes_to_arrays
 from hpckpt.core.index import CheckpointIndex, TensorEntry
 from hpckpt.core.io.checksums import check_source
-from hpckpt.core.paths import resolve_inside
 
 MAX_GRID_CELLS = 4_000_000  # coverage is checked on a grid of distinct chunk boundaries
 MAX_BOXES_PER_FINDING = 8
@@ -84,7 +83,7 @@ def _check_files(index: CheckpointIndex, findings: list[Finding]) -> set[str]:
     bad: set[str] = set()
     for name in index.data_files:
         try:
-            path = resolve_inside(index.root, name)
+            path = index.data_path(name)
         except HpckptError as exc:
             findings.append(_error(exc, file=name))
             bad.add(name)
