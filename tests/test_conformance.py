@@ -284,6 +284,17 @@ def build_torch_save(root: Path) -> Sample:
     return Sample("torch-save", path, named(arrays), values)
 
 
+def build_mindformers(_root: Path) -> Sample:
+    """A 2-rank tensor-parallel save MindFormers 2.1.0 wrote (`fixtures/mindformers/`, its README):
+    the full tensors are `RandomState(7)`'s, the values `common.json`'s."""
+    path = Path(__file__).resolve().parent / "fixtures" / "mindformers" / "sim2"
+    rs = np.random.RandomState(7)
+    arrays = {k: rs.randn(*shape).astype(np.float32)
+              for k, shape in (("fc1.weight", (8, 4)), ("fc1.bias", (8,)), ("fc2.weight", (2, 8)), ("fc2.bias", (2,)))}
+    common = json.loads((path / "iteration_00000005" / "common.json").read_text())
+    return Sample("mindformers", path, named(arrays), {f"common.{k}": v for k, v in common.items()})
+
+
 SAMPLES: dict[str, tuple[str, Callable[[Path], Sample]]] = {
     "hp-m0-torch-4rank": ("hyperparallel", hp_fixture("m0-torch-4rank", "hyperparallel")),
     "hp-m0-mindspore-1rank": ("hyperparallel", hp_fixture("m0-mindspore-1rank", "hyperparallel")),
@@ -296,6 +307,7 @@ SAMPLES: dict[str, tuple[str, Callable[[Path], Sample]]] = {
     "hf-torch-bin-2-shards": ("hf-torch-bin", build_hf_torch_bin),
     "mindspore-save-checkpoint": ("mindspore-ckpt", build_mindspore),
     "torch-save": ("torch-save", build_torch_save),
+    "mindformers-2rank": ("mindformers", build_mindformers),
 }
 SAMPLE_IDS = list(SAMPLES)
 FORMAT_NAMES = [f.name for f in FORMATS]

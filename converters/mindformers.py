@@ -1,0 +1,197 @@
+"""MindFormers Checkpoint 2.0 (`use_legacy_format: False`, format delta B), read.
+
+A save is one `iteration_{:08d}/` directory under a root whose `latest_checkpointed_iteration.txt`
+names the newest; in it, `metadata.json` (rank 0: per parameter its dtype, global shape and
+chunks, and `storage_data`, which maps the repr of `(name, global_offset)` to the files holding
+that chunk), `common.json` (epoch, step, loss scale, ...) and `{prefix}-model-{i:07d}-{n:07d}.safetensors`
+/ `-opt-` files: plain MindSpore safetensors keyed by parameter name, each holding its local slice.
+With remove-redundancy each chunk is listed once; without, every replica's file is listed and the
+first is read. A single card writes no `metadata.json`: the tensors are whole, read from the headers.
+`common.json`'s entries are the checkpoint's values, as `common.KEY`.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+from typing import Any
+
+from hpckpt.converters.data_files import DataFileLocator
+from hpckpt.converters.safetensors_file import index_safetensors_files
+from hpckpt.core import dtypes
+from hpckpt.core.errors import CorruptDataError, CorruptMetadataError, MissingFileError, UnknownFormatError
+from hpckpt.core.geometry.box import Box
+from hpckpt.core.index import CheckpointIndex, Chunk, TensorEntry, ValueEntry
+from hpckpt.core.safety import input_files
+from hpckpt.core.storage.urls import lexists
+
+TRACKER = "latest_checkpointed_iteration.txt"
+METADATA = "metadata.json"
+COMMON = "common.json"
+ITERATION = re.compile(r"iteration_(\d{8})")
+SHARD = re.compile(r"(?:.+-)?(?:model|opt)-(\d{7})-(\d{7})\.safetensors")
+#: `common.json`'s entries are values named `common.KEY` (the optimizer file has a `global_step`
+#: tensor of its own).
+VALUE_PREFIX = "common."
+#: A storage_data key is the repr of a short tuple: longer is not one MindFormers wrote.
+MAX_KEY = 4096
+
+
+def iteration_of(path: Path) -> Path | None:
+    """The iteration directory `path` is, or the newest its tracker names; None when it is neither."""
+    if not path.is_dir():
+        return None
+    if ITERATION.fullmatch(path.name) and (lexists(path / COMMON) or lexists(path / METADATA)):
+        return path
+    if not lexists(path / TRACKER):
+        return None
+    text = input_files.read_small(path / TRACKER, "iteration tracker", 64).decode("ascii", "replace").strip()
+    if not text.isdigit():
+        raise CorruptMetadataError(f"{path / TRACKER}: {text[:40]!r} is not an iteration number")
+    found = path / f"iteration_{int(text):08d}"
+    if not found.is_dir():
+        raise MissingFileError(f"{path / TRACKER} names iteration {int(text)}, but {found.name}/ is missing")
+    return found
+
+
+class MindFormersLocator(DataFileLocator):
+    """Tensors as in any safetensors checkpoint; values are `common.json`'s entries."""
+
+    def __init__(self, root: Path):
+        super().__init__(root)
+        self._common: dict | None = None
+
+    def decode_value(self, entry: ValueEntry) -> Any:
+        if entry.encoding != "json-field":
+            return super().decode_value(entry)
+        if self._common is None:
+            self._common = _read_json(self.path(entry.file), "common.json")
+        key = entry.fqn.removeprefix(VALUE_PREFIX)
+        if key not in self._common:
+            raise CorruptDataError(f"{entry.file}: no entry {key!r} (changed since it was read?)")
+        return self._common[key]
+
+
+class MindFormersReader:
+    name = "mindformers"
+
+    def sniff(self, path: Path) -> bool:
+        if not path.is_dir():
+            return False
+        if ITERATION.fullmatch(path.name):
+            return lexists(path / COMMON) or _is_mindformers_metadata(path / METADATA)
+        return lexists(path / TRACKER) and any(ITERATION.fullmatch(p.name) for p in path.iterdir())
+
+    def read_index(self, path: Path) -> CheckpointIndex:
+        root = iteration_of(path)
+        if root is None:
+            raise CorruptMetadataError(f"{path}: no MindFormers iteration directory")
+        # names relative to what was asked for: a checkpoint root is the tracker and its iteration
+        prefix = "" if root == path else f"{root.name}/"
+        shards = sorted(p.name for p in root.iterdir() if SHARD.fullmatch(p.name))
+        if lexists(root / METADATA):
+            index = self._with_metadata(path, prefix)
+        else:  # a single card: whole tensors, as the headers say
+            index = index_safetensors_files(path, [prefix + s for s in shards], self.name)
+            index.locator = MindFormersLocator(path)
+            index.notes.append("no metadata.json (a single card's save): every tensor whole, from the file headers")
+        index.format, index.format_version, index.framework = self.name, "2.0", "mindspore"
+        if lexists(root / COMMON):
+            common = _read_json(root / COMMON, "common.json")
+            size = (root / COMMON).stat().st_size
+            index.values.update({f"{VALUE_PREFIX}{k}": ValueEntry(f"{VALUE_PREFIX}{k}", prefix + COMMON, 0, size,
+                                                                  encoding="json-field") for k in sorted(common)})
+            index.metadata_files.append(prefix + COMMON)
+        if prefix:
+            index.notes.append(f"reading {root.name}, the iteration {TRACKER} names")
+            index.metadata_files.insert(0, TRACKER)
+        sizes = {int(m.group(2)) for s in shards if (m := SHARD.fullmatch(s))}
+        index.world_size = max(sizes) if sizes else index.world_size
+        return index
+
+    def _with_metadata(self, path: Path, prefix: str) -> CheckpointIndex:
+        doc = _read_json(path / prefix / METADATA, "metadata.json")
+        where = f"{path / prefix / METADATA}"
+        try:
+            state, storage = doc["state_dict_metadata"], doc["storage_data"]
+            if not isinstance(state, dict) or not isinstance(storage, dict):
+                raise TypeError("state_dict_metadata and storage_data must be objects")
+            files_of = {_storage_key(key, where): [e["file_name"] for e in entries] for key, entries in storage.items()}
+            tensors: dict[str, TensorEntry] = {}
+            for name, item in state.items():
+                spelling = item["properties"]["dtype"]
+                shape = tuple(int(n) for n in item["global_shape"])
+                grid = tuple(int(n) for n in item.get("axis_fragmentations") or (1,) * len(shape))
+                chunks = []
+                for c in item["chunk"]:
+                    shard = tuple(int(n) for n in c["global_offset"])
+                    sizes = tuple(int(n) for n in c["local_shape"])
+                    holders = files_of.get((name, shard))
+                    if not holders:
+                        raise CorruptMetadataError(f"{where}: chunk {list(shard)} of {name!r} has no storage_data entry")
+                    box = Box(_element_offsets(shard, grid, sizes, f"{where}: {name!r}"), sizes)
+                    chunks.append(Chunk(box, prefix + _file_name(holders[0], where), name))
+                tensors[name] = TensorEntry(name, dtypes.dtype(spelling), shape, chunks, str(spelling))
+        except UnknownFormatError as exc:
+            raise UnknownFormatError(f"{where}: {exc.message}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CorruptMetadataError(f"{where}: not MindFormers checkpoint metadata ({type(exc).__name__}: {exc})") from None
+        files = sorted({c.file for e in tensors.values() for c in e.chunks})
+        return CheckpointIndex(root=path, format=self.name, format_version="2.0", framework="mindspore",
+                               tensors=tensors, values={}, data_files=files, locator=MindFormersLocator(path),
+                               metadata_files=[prefix + METADATA])
+
+
+def _element_offsets(shard: tuple[int, ...], grid: tuple[int, ...], sizes: tuple[int, ...], where: str) -> tuple[int, ...]:
+    """A chunk's element offsets. MindFormers records a chunk by its slice number, not its
+    offsets (`global_offset` is `(slice,)`): the slice's place in the grid of fragments
+    (`axis_fragmentations`, numbered row-major, the last dimension fastest, as its
+    `_tensor_map_with_rank_id` strides them) times the equal local shape of every slice."""
+    if len(grid) != len(sizes) or len(shard) != 1 or any(g < 1 for g in grid):
+        raise CorruptMetadataError(f"{where}: chunk {list(shard)} does not fit axis_fragmentations {list(grid)}")
+    slice_id, total = shard[0], 1
+    for g in grid:
+        total *= g
+    if not 0 <= slice_id < total:
+        raise CorruptMetadataError(f"{where}: slice {slice_id} of {total} (axis_fragmentations {list(grid)})")
+    coords = []
+    for g in reversed(grid):
+        slice_id, c = divmod(slice_id, g)
+        coords.append(c)
+    return tuple(c * s for c, s in zip(reversed(coords), sizes))
+
+
+def _is_mindformers_metadata(path: Path) -> bool:
+    """MindFormers' `metadata.json`, not Megatron's (whose keys are `sharded_backend`, ...)."""
+    if not lexists(path):
+        return False
+    head = input_files.read_small(path, "metadata.json", input_files.MAX_INDEX_BYTES)[:4096]
+    return b'"state_dict_metadata"' in head or b'"storage_data"' in head
+
+
+def _read_json(path: Path, what: str) -> dict:
+    doc = input_files.load_json(input_files.read_small(path, what, input_files.MAX_INDEX_BYTES), f"{path}: {what}")
+    if not isinstance(doc, dict):
+        raise CorruptMetadataError(f"{path}: {what} is not a JSON object")
+    return doc
+
+
+def _storage_key(key: str, where: str) -> tuple[str, tuple[int, ...]]:
+    """`"('name', (0, 4))"` as `(name, offsets)`: a literal, parsed as one (never evaluated)."""
+    if not isinstance(key, str) or len(key) > MAX_KEY:
+        raise CorruptMetadataError(f"{where}: storage_data key {str(key)[:60]!r} is not a (name, offset) tuple")
+    try:
+        name, offset = ast.literal_eval(key)
+        offsets = tuple(offset)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        raise CorruptMetadataError(f"{where}: storage_data key {key[:60]!r} is not a (name, offset) tuple") from None
+    if not isinstance(name, str) or not all(type(n) is int for n in offsets):
+        raise CorruptMetadataError(f"{where}: storage_data key {key[:60]!r} is not a (name, offset) tuple")
+    return name, offsets
+
+
+def _file_name(name: Any, where: str) -> str:
+    if not isinstance(name, str) or not SHARD.fullmatch(name):
+        raise CorruptMetadataError(f"{where}: storage file {str(name)[:80]!r} is not a MindFormers shard name")
+    return name

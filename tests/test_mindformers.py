@@ -1,0 +1,101 @@
+"""MindFormers Checkpoint 2.0, read from real files MindFormers 2.1.0 wrote (`fixtures/mindformers/`,
+provenance in its README): detected (told apart from a HyperParallel step tree), every value as
+MindFormers saved it, with and without `metadata.json`, a 2-rank tensor-parallel layout, a
+checkpoint root through its tracker or one iteration directory; `common.json` carried as values;
+malformed metadata one line and an exit code, never evaluated."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+from typer.testing import CliRunner
+
+from hpckpt.cli.app import app
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "mindformers"
+runner = CliRunner()
+
+
+def hpckpt(*args: str, code: int = 0) -> str:
+    result = runner.invoke(app, list(args))
+    assert result.exit_code == code, (args, result.exit_code, result.output)
+    return result.output
+
+
+@pytest.mark.parametrize("name", ["meta", "nometa", "rr"])
+def test_single_rank_saves_read_as_mindformers_saved_them(name, tmp_path):
+    root = FIXTURES / name
+    doc = json.loads(hpckpt("inspect", str(root), "--json"))
+    assert (doc["format"], doc["format_version"], doc["framework"]) == ("mindformers", "2.0", "mindspore")
+    values = {v["fqn"]: v["value"] for v in doc["values"]}
+    assert values["common.global_step"] == 2 and values["common.consumed_samples"] == 6
+    iteration = next(root.glob("iteration_*"))  # the same checkpoint, named directly
+    assert json.loads(hpckpt("inspect", str(iteration), "--json"))["counts"] == doc["counts"]
+    assert json.loads(hpckpt("verify", str(root), "--json"))["ok"] is True
+    hpckpt("consolidate", str(root), "-o", str(tmp_path / "all.safetensors"))
+    got = load_file(str(tmp_path / "all.safetensors"))
+    with np.load(FIXTURES / f"{name}-ref.npz") as ref:
+        assert sorted(got) == sorted(ref.files)
+        for key in ref.files:
+            np.testing.assert_array_equal(got[key], ref[key], err_msg=key)
+
+
+def test_a_tensor_parallel_save_is_assembled(tmp_path):
+    """`global_offset` is a slice number in the grid of `axis_fragmentations`, not an offset."""
+    rs = np.random.RandomState(7)
+    full = {"fc1.weight": rs.randn(8, 4), "fc1.bias": rs.randn(8), "fc2.weight": rs.randn(2, 8), "fc2.bias": rs.randn(2)}
+    doc = json.loads(hpckpt("inspect", str(FIXTURES / "sim2"), "--json"))
+    assert {t["fqn"]: t["layout"] for t in doc["tensors"]} == {
+        "fc1.weight": "S0/2 even", "fc1.bias": "S0/2 even", "fc2.weight": "S1/2 even", "fc2.bias": "replicated"}
+    assert doc["world_size"] == 2
+    hpckpt("reshard", str(FIXTURES / "sim2"), "-o", str(tmp_path / "hp"), "--world-size", "3")
+    hpckpt("consolidate", str(tmp_path / "hp"), "-o", str(tmp_path / "all.safetensors"))
+    got = load_file(str(tmp_path / "all.safetensors"))
+    for key, array in full.items():
+        np.testing.assert_array_equal(got[key], array.astype(np.float32), err_msg=key)
+    assert json.loads((tmp_path / "all.values.json").read_text())["common.global_step"]["value"] == 5
+    # the live library loads it into any layout (one process here)
+    import torch
+
+    import hpckpt.dist as hdist
+
+    state = {key: torch.zeros(array.shape, dtype=torch.float32) for key, array in full.items()}
+    hdist.load(state, checkpoint_id=str(FIXTURES / "sim2"), no_dist=True, strict=False)
+    for key, array in full.items():
+        np.testing.assert_array_equal(state[key].numpy(), array.astype(np.float32), err_msg=key)
+
+
+def test_with_and_without_metadata_are_the_same_checkpoint():
+    """The single card's save without metadata.json (read from the headers) and with it (read
+    through storage_data) hold the same tensors and values."""
+    out = hpckpt("diff", str(FIXTURES / "meta"), str(FIXTURES / "nometa"))
+    assert out.startswith("equal: 14 identical; 7 values, 0 differ"), out
+
+
+def test_bad_mindformers_metadata(tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "sim2", root)
+    iteration = root / "iteration_00000005"
+    (root / "latest_checkpointed_iteration.txt").write_text("7")
+    assert "iteration_00000007" in hpckpt("inspect", str(root), code=8)
+    (root / "latest_checkpointed_iteration.txt").write_text("five")
+    assert "not an iteration number" in hpckpt("inspect", str(root), code=6)
+    metadata = iteration / "metadata.json"
+    doc = json.loads(metadata.read_text())
+    key = next(k for k in doc["storage_data"] if "fc1.weight" in k)
+    for bad in ("__import__('os').system('true')", "('fc1.weight', (0,)) + ()", "[" * 5000):
+        broken = dict(doc, storage_data={**doc["storage_data"], bad: doc["storage_data"][key]})
+        metadata.write_text(json.dumps(broken))
+        out = hpckpt("inspect", str(iteration), code=6)
+        assert "not a (name, offset) tuple" in out and "Traceback" not in out, out
+    slices = dict(doc)
+    slices["state_dict_metadata"] = json.loads(json.dumps(doc["state_dict_metadata"]))
+    slices["state_dict_metadata"]["fc1.weight"]["chunk"][1]["global_offset"] = [2]  # only 2 slices
+    slices["storage_data"] = {**doc["storage_data"], "('fc1.weight', (2,))": doc["storage_data"][key]}
+    metadata.write_text(json.dumps(slices))
+    assert "slice 2 of 2" in hpckpt("inspect", str(iteration), code=6)
