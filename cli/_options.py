@@ -19,7 +19,7 @@ from hpckpt.cli._errors import location
 
 # Every name and alias of a format hpckpt writes (`hpckpt.converters.FORMATS`; a test checks that
 # the two agree). Spelled out here: importing the registry would load every adapter at start-up.
-WRITABLE_FORMATS = ("hyperparallel", "hp", "torch-dcp", "hf-sharded", "hf", "mindspore-ckpt", "ms", "ckpt",
+WRITABLE_FORMATS = ("hyperparallel", "hp", "torch-dcp", "mindformers", "mf", "hf-sharded", "hf", "mindspore-ckpt", "ms", "ckpt",
                     "safetensors", "torch-save", "pt")
 FormatName = Literal[WRITABLE_FORMATS]  # type: ignore[valid-type]
 DTypeName = Literal["bf16", "fp16", "fp32", "fp64", "bfloat16", "float16", "float32", "float64"]

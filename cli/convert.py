@@ -21,7 +21,7 @@ EXAMPLES = """Examples:
   hpckpt convert ckpt/ -o hf/ --to hf --dtype bf16 --include 'model.*'
 """
 
-_LAYOUT_HELP = "hp/torch-dcp target layout (default: the source's)."
+_LAYOUT_HELP = "hp/torch-dcp/mindformers target layout (default: the source's)."
 
 
 def name_rules(rules_file: Optional[Path], preset: Optional[str], direction: Optional[str]):

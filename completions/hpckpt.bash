@@ -63,7 +63,7 @@ _hpckpt_value() {
         'hpckpt reshard --jobs'|'hpckpt reshard -j') _hpckpt_kind=none ;;
         'hpckpt reshard --max-memory') _hpckpt_kind=none ;;
         'hpckpt consolidate --output'|'hpckpt consolidate -o') _hpckpt_kind=file ;;
-        'hpckpt consolidate --format'|'hpckpt consolidate -f') _hpckpt_kind=choice _hpckpt_words=(hyperparallel hp torch-dcp hf-sharded hf mindspore-ckpt ms ckpt safetensors torch-save pt) ;;
+        'hpckpt consolidate --format'|'hpckpt consolidate -f') _hpckpt_kind=choice _hpckpt_words=(hyperparallel hp torch-dcp mindformers mf hf-sharded hf mindspore-ckpt ms ckpt safetensors torch-save pt) ;;
         'hpckpt consolidate --include'|'hpckpt consolidate -i') _hpckpt_kind=none ;;
         'hpckpt consolidate --exclude'|'hpckpt consolidate -x') _hpckpt_kind=none ;;
         'hpckpt consolidate --dtype') _hpckpt_kind=choice _hpckpt_words=(bf16 fp16 fp32 fp64 bfloat16 float16 float32 float64) ;;
@@ -71,7 +71,7 @@ _hpckpt_value() {
         'hpckpt consolidate --jobs'|'hpckpt consolidate -j') _hpckpt_kind=none ;;
         'hpckpt consolidate --max-memory') _hpckpt_kind=none ;;
         'hpckpt convert --output'|'hpckpt convert -o') _hpckpt_kind=file ;;
-        'hpckpt convert --to'|'hpckpt convert -t') _hpckpt_kind=choice _hpckpt_words=(hyperparallel hp torch-dcp hf-sharded hf mindspore-ckpt ms ckpt safetensors torch-save pt) ;;
+        'hpckpt convert --to'|'hpckpt convert -t') _hpckpt_kind=choice _hpckpt_words=(hyperparallel hp torch-dcp mindformers mf hf-sharded hf mindspore-ckpt ms ckpt safetensors torch-save pt) ;;
         'hpckpt convert --world-size'|'hpckpt convert -w') _hpckpt_kind=none ;;
         'hpckpt convert --split') _hpckpt_kind=choice _hpckpt_words=(balanced ceil) ;;
         'hpckpt convert --mesh') _hpckpt_kind=none ;;
@@ -88,7 +88,7 @@ _hpckpt_value() {
         'hpckpt convert --max-memory') _hpckpt_kind=none ;;
         'hpckpt convert-ms-torch --output'|'hpckpt convert-ms-torch -o') _hpckpt_kind=file ;;
         'hpckpt convert-ms-torch --to') _hpckpt_kind=choice _hpckpt_words=(torch mindspore) ;;
-        'hpckpt convert-ms-torch --to-format') _hpckpt_kind=choice _hpckpt_words=(hyperparallel hp torch-dcp hf-sharded hf mindspore-ckpt ms ckpt safetensors torch-save pt) ;;
+        'hpckpt convert-ms-torch --to-format') _hpckpt_kind=choice _hpckpt_words=(hyperparallel hp torch-dcp mindformers mf hf-sharded hf mindspore-ckpt ms ckpt safetensors torch-save pt) ;;
         'hpckpt convert-ms-torch --name-rules') _hpckpt_kind=file ;;
         'hpckpt convert-ms-torch --dtype') _hpckpt_kind=choice _hpckpt_words=(bf16 fp16 fp32 fp64 bfloat16 float16 float32 float64) ;;
         'hpckpt convert-ms-torch --include'|'hpckpt convert-ms-torch -i') _hpckpt_kind=none ;;

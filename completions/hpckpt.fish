@@ -102,7 +102,7 @@ complete -c hpckpt -n '__fish_seen_subcommand_from reshard' -F
 
 # hpckpt consolidate
 complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l output -s o -r -F -d 'Output file (safetensors, pt, ms) or directory (hf, hp, torch-dcp).'
-complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l format -s f -x -a 'hyperparallel hp torch-dcp hf-sharded hf mindspore-ckpt ms ckpt safetensors torch-save pt' -d 'Any format hpckpt writes (default: from -o\'s extension, else safetensors).'
+complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l format -s f -x -a 'hyperparallel hp torch-dcp mindformers mf hf-sharded hf mindspore-ckpt ms ckpt safetensors torch-save pt' -d 'Any format hpckpt writes (default: from -o\'s extension, else safetensors).'
 complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l include -s i -x -d 'Only entries matching (repeatable).'
 complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l exclude -s x -x -d 'Leave out entries matching (repeatable).'
 complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l dtype -x -a 'bf16 fp16 fp32 fp64 bfloat16 float16 float32 float64' -d 'Cast floating tensors.'
@@ -122,8 +122,8 @@ complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -F
 
 # hpckpt convert
 complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l output -s o -r -F -d 'Output file (pt, ms, safetensors) or directory (hf, hp, torch-dcp).'
-complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l to -s t -x -a 'hyperparallel hp torch-dcp hf-sharded hf mindspore-ckpt ms ckpt safetensors torch-save pt' -d 'Any format hpckpt writes (default: from -o\'s extension).'
-complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l world-size -s w -x -d 'hp/torch-dcp target layout (default: the source\'s).'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l to -s t -x -a 'hyperparallel hp torch-dcp mindformers mf hf-sharded hf mindspore-ckpt ms ckpt safetensors torch-save pt' -d 'Any format hpckpt writes (default: from -o\'s extension).'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l world-size -s w -x -d 'hp/torch-dcp/mindformers target layout (default: the source\'s).'
 complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l split -x -a 'balanced ceil' -d 'Uneven split rule: balanced (HyperParallel) or ceil (PyTorch).'
 complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l mesh -x -d 'Target device mesh, e.g. 2x4 (hp, torch-dcp).'
 complete -c hpckpt -n '__fish_seen_subcommand_from convert' -l placements -x -d 'Placement per mesh dim, e.g. R,S0.'
@@ -153,7 +153,7 @@ complete -c hpckpt -n '__fish_seen_subcommand_from convert' -F
 # hpckpt convert-ms-torch
 complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -l output -s o -r -F -d 'Output file or directory; a file\'s extension picks the container.'
 complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -l to -x -a 'torch mindspore' -d 'The framework to convert to (default: the other side of the source).'
-complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -l to-format -x -a 'hyperparallel hp torch-dcp hf-sharded hf mindspore-ckpt ms ckpt safetensors torch-save pt' -d 'Container (default: the source\'s kind, or -o\'s extension).'
+complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -l to-format -x -a 'hyperparallel hp torch-dcp mindformers mf hf-sharded hf mindspore-ckpt ms ckpt safetensors torch-save pt' -d 'Container (default: the source\'s kind, or -o\'s extension).'
 complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -l name-rules -r -F -d 'TOML rules (docs/name-rules.md); the preset applies after them.'
 complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -l no-preset -d 'Keep names as they are (only --name-rules rename).'
 complete -c hpckpt -n '__fish_seen_subcommand_from convert-ms-torch' -l dtype -x -a 'bf16 fp16 fp32 fp64 bfloat16 float16 float32 float64' -d 'Cast floating tensors.'

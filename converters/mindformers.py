@@ -1,4 +1,4 @@
-"""MindFormers Checkpoint 2.0 (`use_legacy_format: False`, format delta B), read.
+"""MindFormers Checkpoint 2.0 (`use_legacy_format: False`, format delta B), read and written.
 
 A save is one `iteration_{:08d}/` directory under a root whose `latest_checkpointed_iteration.txt`
 names the newest; in it, `metadata.json` (rank 0: per parameter its dtype, global shape and
@@ -13,16 +13,28 @@ first is read. A single card writes no `metadata.json`: the tensors are whole, r
 from __future__ import annotations
 
 import ast
+import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hpckpt.converters.base import WriterOptions
 from hpckpt.converters.data_files import DataFileLocator
 from hpckpt.converters.safetensors_file import index_safetensors_files
 from hpckpt.core import dtypes
-from hpckpt.core.errors import CorruptDataError, CorruptMetadataError, MissingFileError, UnknownFormatError
+from hpckpt.core.codecs.safetensors_io import encode_header
+from hpckpt.core.errors import (
+    CorruptDataError,
+    CorruptMetadataError,
+    MissingFileError,
+    ReshardOptionError,
+    UnknownFormatError,
+)
 from hpckpt.core.geometry.box import Box
+from hpckpt.core.geometry.plan import Plan
 from hpckpt.core.index import CheckpointIndex, Chunk, TensorEntry, ValueEntry
+from hpckpt.core.io.output import Extent, FileLayout, Finished, OutputLayout, Placement
 from hpckpt.core.safety import input_files
 from hpckpt.core.storage.urls import lexists
 
@@ -42,10 +54,8 @@ def iteration_of(path: Path) -> Path | None:
     """The iteration directory `path` is, or the newest its tracker names; None when it is neither."""
     if not path.is_dir():
         return None
-    if ITERATION.fullmatch(path.name) and (lexists(path / COMMON) or lexists(path / METADATA)):
-        return path
     if not lexists(path / TRACKER):
-        return None
+        return path if _is_iteration(path) else None
     text = input_files.read_small(path / TRACKER, "iteration tracker", 64).decode("ascii", "replace").strip()
     if not text.isdigit():
         raise CorruptMetadataError(f"{path / TRACKER}: {text[:40]!r} is not an iteration number")
@@ -79,9 +89,9 @@ class MindFormersReader:
     def sniff(self, path: Path) -> bool:
         if not path.is_dir():
             return False
-        if ITERATION.fullmatch(path.name):
-            return lexists(path / COMMON) or _is_mindformers_metadata(path / METADATA)
-        return lexists(path / TRACKER) and any(ITERATION.fullmatch(p.name) for p in path.iterdir())
+        if lexists(path / TRACKER):
+            return any(ITERATION.fullmatch(p.name) for p in path.iterdir())
+        return _is_iteration(path)
 
     def read_index(self, path: Path) -> CheckpointIndex:
         root = iteration_of(path)
@@ -162,6 +172,15 @@ def _element_offsets(shard: tuple[int, ...], grid: tuple[int, ...], sizes: tuple
     return tuple(c * s for c, s in zip(reversed(coords), sizes))
 
 
+def _is_iteration(path: Path) -> bool:
+    """One save: MindFormers' `metadata.json`, or its `common.json` beside its shard files (a
+    single card's save, or one named by an `iteration_*` directory)."""
+    if _is_mindformers_metadata(path / METADATA):
+        return True
+    return lexists(path / COMMON) and (bool(ITERATION.fullmatch(path.name))
+                                       or any(SHARD.fullmatch(p.name) for p in path.iterdir()))
+
+
 def _is_mindformers_metadata(path: Path) -> bool:
     """MindFormers' `metadata.json`, not Megatron's (whose keys are `sharded_backend`, ...)."""
     if not lexists(path):
@@ -195,3 +214,149 @@ def _file_name(name: Any, where: str) -> str:
     if not isinstance(name, str) or not SHARD.fullmatch(name):
         raise CorruptMetadataError(f"{where}: storage file {str(name)[:80]!r} is not a MindFormers shard name")
     return name
+
+
+# -- writing -------------------------------------------------------------------------------------
+
+#: `common.json`'s fields (MindFormers' `CommonInfo`, in its order); those the source lacks are left
+#: out (MindFormers' `CommonInfo` has a default for each).
+COMMON_FIELDS = ("epoch_num", "step_num", "global_step", "loss_scale", "global_batch_size", "consumed_samples",
+                 "ckpt_status")
+
+
+def model_file(rank: int, world_size: int) -> str:
+    return f"model-{rank:07d}-{world_size:07d}.safetensors"
+
+
+class MindFormersWriter:
+    """`FormatWriter` of one MindFormers Checkpoint 2.0 iteration directory (the destination;
+    MindFormers' `load_checkpoint` takes it as it is, or under a root with its tracker file).
+
+    Per storing rank `model-{r:07d}-{n:07d}.safetensors` (MindSpore safetensors, keys the
+    parameter names, each box once: the remove-redundancy form, which MindFormers' loader reads
+    like any other), `common.json` from the source's `common.*` values, and `metadata.json` last.
+    MindFormers keeps a tensor as equal slices on a grid (`axis_fragmentations`): a layout that
+    splits a dimension unevenly is refused."""
+
+    def __init__(self, options: WriterOptions, value_lengths=None, payloads=None):
+        self._plan: Plan | None = None
+        self._common: dict[str, Any] = {}
+
+    def layout(self, plan: Plan, values: Mapping[str, Any]) -> OutputLayout:
+        self._plan = plan
+        self._grids = {t.fqn: _grid(t) for t in plan.tensors}
+        skipped = []
+        self._common = {}
+        for value in plan.values:
+            key = value.fqn.removeprefix(VALUE_PREFIX)
+            if value.fqn.startswith(VALUE_PREFIX) and key in COMMON_FIELDS:
+                self._common[key] = values[value.fqn]
+            else:
+                skipped.append((value.fqn, "MindFormers Checkpoint 2.0 holds tensors, and of other values only "
+                                            f"common.json's fields ({', '.join(COMMON_FIELDS)}) as common.KEY"))
+        files = []
+        for rank, items in plan.by_rank.items():
+            if rank not in plan.producing:
+                continue
+            head, offsets = encode_header([(t.fqn, t.dtype, b.box.sizes) for t, b in items], {"format": "ms"})
+            boxes = tuple(Placement(t, b, (Extent(at, t.box_nbytes(b)),)) for (t, b), at in zip(items, offsets))
+            files.append(FileLayout(model_file(rank, plan.world_size), len(head) + sum(p.nbytes for p in boxes),
+                                    ((0, head),), boxes))
+        return OutputLayout(tuple(files), skipped=tuple(skipped))
+
+    def expected_files(self, plan: Plan) -> list[str]:
+        return sorted(model_file(r, plan.world_size) for r in plan.by_rank if r in plan.producing)
+
+    def finish(self, crcs: Mapping[str, int]) -> Finished:
+        plan = self._plan
+        assert plan is not None, "layout() first"
+        common = {k: _json_value(self._common[k]) for k in COMMON_FIELDS if k in self._common}  # (the rest: defaults)
+        return Finished(metadata=((COMMON, json.dumps(common, indent=4).encode()),
+                                  (METADATA, json.dumps(self.metadata(), separators=(",", ":")).encode())))
+
+    def metadata(self) -> dict:
+        plan = self._plan
+        state, storage = {}, {}
+        for tensor in plan.tensors:
+            grid, local = self._grids[tensor.fqn]
+            dtype = tensor.dtype.ms_spelling or tensor.dtype.name
+            state[tensor.fqn] = {
+                "properties": {"dtype": dtype, "replica_id": 0, "allow_shape_mismatch": False, "allow_to_save": True},
+                "global_shape": list(tensor.shape), "axis_fragmentations": list(grid), "layout": _layout(grid),
+                "chunk": []}
+            for planned in tensor.boxes:
+                shard = _slice_number(planned.box.offsets, grid, local)
+                key = str((tensor.fqn, (shard,)))
+                if key not in storage:
+                    state[tensor.fqn]["chunk"].append({"global_offset": [shard], "local_shape": list(local)})
+                storage.setdefault(key, []).append({"file_name": model_file(planned.rank, plan.world_size),
+                                                    "storage_rank": planned.rank, "rank_group": [planned.rank]})
+        return {"state_dict_metadata": state, "storage_data": storage}
+
+
+def _grid(tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The tensor's boxes as MindFormers keeps them: `(axis_fragmentations, local_shape)`, every
+    box the same shape on a grid that tiles the tensor exactly.
+
+    Raises:
+        ReshardOptionError: the layout splits a dimension unevenly (or not on a grid).
+    """
+    shape = tuple(tensor.shape)
+    sizes = {b.box.sizes for b in tensor.boxes}
+    if sizes == {shape}:  # whole (an empty tensor too), on one rank or replicated
+        return (1,) * len(shape), shape
+    local = next(iter(sizes)) if len(sizes) == 1 else None
+    ok = local is not None and all(s > 0 and n % s == 0 for n, s in zip(shape, local))
+    if ok:
+        grid = tuple(n // s for n, s in zip(shape, local))
+        ok = all(o % s == 0 for b in tensor.boxes for o, s in zip(b.box.offsets, local))
+        ok = ok and len({b.box.offsets for b in tensor.boxes}) == _product(grid)
+    if not ok:
+        raise ReshardOptionError(
+            f"tensor {tensor.fqn!r} {list(shape)} is split into unequal pieces ({sorted(map(list, sizes))[:3]}): "
+            "MindFormers keeps a tensor as equal slices on a grid",
+            hint="choose a world size or mesh whose splits divide every dimension they split")
+    return grid, local
+
+
+def _layout(grid: tuple[int, ...]) -> dict | None:
+    """A MindSpore `Layout.to_dict()` that slices a tensor as `grid` does: one device axis per
+    split dimension, in order, and one rank per slice, so that rank r holds slice r (MindFormers
+    numbers slices from the layout; `storage_data` says which file holds each). None for a tensor
+    kept whole, as MindFormers writes one. The keys in MindFormers' order: its loader unpacks them
+    by position."""
+    split = [g for g in grid if g > 1]
+    if not split:
+        return None
+    axes, tensor_map = len(split), []
+    for g in grid:
+        if g > 1:
+            tensor_map.append(axes - 1 - len([m for m in tensor_map if m != -1]))
+        else:
+            tensor_map.append(-1)
+    return {"device_matrix": split, "tensor_map": tensor_map, "interleaved_parallel": False,
+            "alias_name": [f"d{i}" for i in range(axes)], "rank_list": list(range(_product(split)))}
+
+
+def _product(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def _slice_number(offsets: tuple[int, ...], grid: tuple[int, ...], local: tuple[int, ...]) -> int:
+    """The inverse of `_element_offsets`: a box's slice number, row-major over the grid."""
+    number = 0
+    for o, g, s in zip(offsets, grid, local):
+        number = number * g + (o // s if s else 0)
+    return number
+
+
+def _json_value(value: Any) -> Any:
+    """A common.json field as JSON holds it (numbers, strings, null)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "item"):  # a 0-d array
+        return value.item()
+    return str(value)

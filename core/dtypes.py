@@ -189,14 +189,14 @@ def all_dtypes() -> tuple[DType, ...]:
 
 # --- what each format can hold ------------------------------------------------------------------
 
-FORMAT_NAMES = ("safetensors", "hf-sharded", "hyperparallel", "mindspore-ckpt", "torch-save", "torch-dcp")
+FORMAT_NAMES = ("safetensors", "hf-sharded", "hyperparallel", "mindspore-ckpt", "torch-save", "torch-dcp", "mindformers")
 
 
 def unsupported_reason(dtype: DType, format_name: str) -> str | None:
     """Why `format_name` cannot hold tensors of `dtype` (None: it can, bit-exactly).
 
     Format names are the writers' ("safetensors", "hf-sharded", "hyperparallel",
-    "mindspore-ckpt", "torch-save", "torch-dcp"); any other raises ValueError.
+    "mindspore-ckpt", "torch-save", "torch-dcp", "mindformers"); any other raises ValueError.
     """
     if format_name not in FORMAT_NAMES:
         raise ValueError(f"unknown format {format_name!r}; known: {', '.join(FORMAT_NAMES)}")
@@ -208,6 +208,8 @@ def unsupported_reason(dtype: DType, format_name: str) -> str | None:
         return f"HyperParallel metadata names torch dtypes, and torch has no {dtype}"
     if format_name == "mindspore-ckpt" and dtype.mindspore is None:
         return f"a MindSpore .ckpt has no tensor_type for {dtype}"
+    if format_name == "mindformers" and (dtype.safetensors is None or dtype.ms_spelling is None):
+        return f"MindFormers keeps MindSpore safetensors, which hold no {dtype}"
     if format_name in ("torch-save", "torch-dcp") and not dtype.in_torch:
         return f"torch has no dtype {dtype}"
     if format_name == "torch-dcp" and dtype.name.startswith("bits"):

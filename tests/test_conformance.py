@@ -477,6 +477,10 @@ def memory_source():
 
 
 def convert(source: str, fmt, dst: Path, **kwargs):
+    if fmt.name == "mindformers":  # equal slices only: the sources' layouts split 10 rows 3+3+2+2
+        from hpckpt.api.layouts import layout_spec
+
+        kwargs["layout"] = layout_spec(None, 1, "balanced", None, None, None, None)
     if source == "fixture":
         return api.convert(FIXTURES / WRITE_SOURCE_FIXTURE, dst, fmt.name, **kwargs)
     return api.convert("<memory>", dst, fmt.name, index=memory_source(), **kwargs)
@@ -601,6 +605,30 @@ def read_with_mindspore(path: Path) -> Truth:
     return tensors, {fqn: v for fqn, v in loaded.items() if isinstance(v, str)}
 
 
+def read_with_mindformers_rules(path: Path) -> Truth:
+    """MindFormers Checkpoint 2.0 as its loader reads it (MindFormers itself does not install
+    here: tests/fixtures/mindformers shows its loader accepting hpckpt's output): `metadata.json`
+    with the json module, each chunk's slice number placed row-major on `axis_fragmentations`,
+    the file `storage_data` names under `str((name, (slice,)))`, each slice by `safetensors`;
+    `common.json`'s fields as `common.KEY`."""
+    meta = json.loads((path / "metadata.json").read_text())
+    tensors = {}
+    for name, item in meta["state_dict_metadata"].items():
+        grid = item["axis_fragmentations"]
+        full = None
+        for chunk in item["chunk"]:
+            (file_name,) = {e["file_name"] for e in meta["storage_data"][str((name, tuple(chunk["global_offset"])))]}
+            dtype, piece = _safetensors_tensors([path / file_name])[name]
+            coords = np.unravel_index(chunk["global_offset"][0], grid) if grid else ()
+            where = tuple(slice(int(c) * s, (int(c) + 1) * s) for c, s in zip(coords, chunk["local_shape"]))
+            if full is None:
+                full = np.zeros(item["global_shape"], dtype=piece.dtype)
+            full[where] = piece
+        tensors[name] = (dtype, full)
+    common = json.loads((path / "common.json").read_text())
+    return tensors, {f"common.{k}": v for k, v in common.items()}
+
+
 OWN_READERS: dict[str, Callable[[Path], Truth]] = {
     "hyperparallel": read_with_stand_ins,
     "torch-dcp": read_with_torch_dcp,
@@ -608,6 +636,7 @@ OWN_READERS: dict[str, Callable[[Path], Truth]] = {
     "safetensors": read_with_safetensors,
     "torch-save": read_with_torch_load,
     "mindspore-ckpt": read_with_mindspore,
+    "mindformers": read_with_mindformers_rules,
 }
 
 #: How a format stores a value: the default keeps it a value; MindSpore's `.ckpt` keeps `str`
@@ -619,6 +648,8 @@ MS_SCALARS = {bool: "bool", int: "int64", float: "float32"}
 def cannot_hold(fmt, truth: Truth) -> set[str]:
     """What the README says a format cannot hold (to be listed in the report's `skipped`):
     MindSpore's `.ckpt` drops zero-element tensors and holds only str/int/float/bool values."""
+    if fmt.name == "mindformers":  # values: common.json's fields only
+        return {k for k in truth[1] if not k.startswith("common.")}
     if fmt.name != "mindspore-ckpt":
         return set()
     return ({k for k, (_, a) in truth[0].items() if a.size == 0}
@@ -693,7 +724,11 @@ KILL_AFTER_FIRST_BYTES = textwrap.dedent("""
                 os.kill(os.getpid(), signal.SIGKILL)
 
     src, dst, to = sys.argv[1:]
-    api.convert(src, dst, to, settings=api.WriteSettings(progress=KillAfterFirstBytes()))
+    kwargs = {}
+    if to == "mindformers":  # equal slices only (as `convert` in the test module)
+        from hpckpt.api.layouts import layout_spec
+        kwargs["layout"] = layout_spec(None, 1, "balanced", None, None, None, None)
+    api.convert(src, dst, to, settings=api.WriteSettings(progress=KillAfterFirstBytes()), **kwargs)
     print("not killed")
 """)
 

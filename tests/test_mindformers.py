@@ -99,3 +99,37 @@ def test_bad_mindformers_metadata(tmp_path):
     slices["storage_data"] = {**doc["storage_data"], "('fc1.weight', (2,))": doc["storage_data"][key]}
     metadata.write_text(json.dumps(slices))
     assert "slice 2 of 2" in hpckpt("inspect", str(iteration), code=6)
+
+
+@pytest.mark.parametrize(("source", "world", "expected"), [("sim2", "2", "hpckpt-2rank"), ("meta", "1", "hpckpt-1rank")])
+def test_written_as_mindformers_loader_accepted(source, world, expected, tmp_path):
+    """`convert --to mindformers` writes, byte for byte, what MindFormers 2.1.0's own
+    `load_checkpoint` read back correctly (fixtures README): model files, common.json, metadata.json
+    (with a layout per split tensor, slice numbers on the grid)."""
+    out = tmp_path / "out"
+    hpckpt("convert", str(FIXTURES / source), "--to", "mindformers", "-o", str(out), "--world-size", world)
+    want = FIXTURES / expected
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == sorted(p.name for p in want.iterdir())
+    for f in want.iterdir():
+        assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+    assert hpckpt("diff", str(out), str(FIXTURES / source)).startswith("equal:")
+
+
+def test_other_sources_and_layouts_mindformers_cannot_hold(tmp_path):
+    """A HyperParallel checkpoint becomes a MindFormers one (its values that are not common.json
+    fields reported skipped, by name); a layout MindFormers cannot describe (unequal slices) is
+    refused before anything is written."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "tiny-hp"
+    out = hpckpt("convert", str(example), "--to", "mindformers", "-o", str(tmp_path / "mf"), "--world-size", "1",
+                 "--json")
+    assert out.startswith("warning: not written (MindFormers Checkpoint 2.0 holds tensors"), out
+    doc = json.loads(out[out.index("{\n"):])  # (the warning is stderr's)
+    skipped = {s["name"] for s in doc["skipped"]}
+    assert "extra_state.run_name" in skipped and "optimizer.param_groups.0.lr" in skipped, doc["skipped"]
+    back = json.loads(hpckpt("inspect", str(tmp_path / "mf"), "--json"))
+    assert back["format"] == "mindformers" and back["counts"]["tensors"] == 6
+    for source, world in ((example, "2"), (FIXTURES / "sim2", "4")):  # 9 rows on 2 ranks; 2 rows on 4
+        out = hpckpt("convert", str(source), "--to", "mindformers", "-o", str(tmp_path / "no"), "--world-size", world,
+                     code=2)
+        assert "equal slices on a grid" in out, out
+        assert not (tmp_path / "no").exists()
