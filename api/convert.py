@@ -111,7 +111,7 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, *, layout: 
 # source format -> the container convert-ms-torch keeps by default (the other framework's file)
 _KEEP_KIND = {"hyperparallel": "hyperparallel", "hyperparallel-legacy": "hyperparallel", "torch-dcp": "torch-dcp",
               "hf-sharded": "hf-sharded", "hf-torch-bin": "hf-sharded", "safetensors": "safetensors",
-              "mindspore-ckpt": "torch-save",
+              "mindspore-ckpt": "torch-save", "mindformers": "torch-dcp",
               "torch-save": "mindspore-ckpt"}
 
 

@@ -159,7 +159,12 @@ def test_every_source_entry_is_written_or_reported(samples, tmp_path, sample_id,
     sample = samples(sample_id)
     source = open_index(sample.path)
     dst = destination(fmt, tmp_path)
-    report = api.convert(sample.path, dst, fmt.name, settings=WriteSettings(sync=False))
+    layout = None
+    if fmt.name == "mindformers":  # equal slices only: the producers' layouts split rows unevenly
+        from hpckpt.api.layouts import layout_spec
+
+        layout = layout_spec(None, 1, "balanced", None, None, None, None)
+    report = api.convert(sample.path, dst, fmt.name, settings=WriteSettings(sync=False), layout=layout)
     skipped = {s["name"]: s["reason"] for s in report["skipped"]}
     converted = {s["name"]: s["reason"] for s in report["converted"]}
     assert all(skipped.values()) and all(converted.values()), report.to_json()

@@ -133,3 +133,13 @@ def test_other_sources_and_layouts_mindformers_cannot_hold(tmp_path):
                      code=2)
         assert "equal slices on a grid" in out, out
         assert not (tmp_path / "no").exists()
+
+
+def test_megatrons_metadata_json_is_not_taken_for_mindformers(tmp_path):
+    """Megatron's distributed checkpoints also have a `metadata.json` (other keys): not ours."""
+    from hpckpt.converters.mindformers import MindFormersReader
+
+    (tmp_path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    (tmp_path / "common.pt").write_bytes(b"")
+    assert MindFormersReader().sniff(tmp_path) is False
+    assert MindFormersReader().sniff(FIXTURES / "sim2" / "iteration_00000005") is True

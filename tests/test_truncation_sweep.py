@@ -7,7 +7,7 @@ fixtures (HyperParallel's code) and `examples/tiny-hp` (with hpckpt's manifest);
 `torch.distributed.checkpoint.save`, `torch.save`, the `safetensors` library and
 transformers' index layout (in a `truncation_driver.py build-torch` subprocess);
 `mindspore.save_checkpoint` (in a `build-mindspore` subprocess; hand-assembled protobuf when
-MindSpore cannot be imported); a safetensors file with its `.values.json`, which only hpckpt
+MindSpore cannot be imported); MindFormers' own 2-rank save (`fixtures/mindformers/sim2`); a safetensors file with its `.values.json`, which only hpckpt
 writes (`hpckpt consolidate`).
 
 A file of at most `EVERY_BYTE` bytes is cut at every position 0 .. size-1; a larger one at no
@@ -84,6 +84,7 @@ def build_samples(root: Path) -> dict[str, dict]:
     _copy_fixture(FIXTURES / "m0-mindspore-1rank", root / "hp-m0-mindspore-1rank")
     _copy_fixture(FIXTURES / "m0-torch-4rank-rankLocal", root / "hp-rank-local")
     shutil.copytree(REPO / "examples" / "tiny-hp", root / "hp-tiny")
+    shutil.copytree(REPO / "tests" / "fixtures" / "mindformers" / "sim2", root / "mf")  # MindFormers' own files
     from hpckpt import api
 
     (root / "st").mkdir()
@@ -122,6 +123,9 @@ def build_samples(root: Path) -> dict[str, dict]:
         "hf-torch-bin": {"path": "hf-bin", "files": roles(root / "hf-bin", lambda n: DATA if n.endswith(".bin")
                                                          else METADATA)},
         "torch-save": {"path": "pt/state.pt", "files": {"state.pt": SINGLE}},
+        # MindFormers: inspect reads metadata.json and common.json, never a rank file
+        "mindformers": {"path": "mf/iteration_00000005", "files": roles(
+            root / "mf" / "iteration_00000005", lambda n: DATA if n.endswith(".safetensors") else METADATA)},
         "mindspore-ckpt": {"path": "ms/net.ckpt", "files": {"net.ckpt": SINGLE}},
         **({"mindspore-ckpt-crc": {"path": "ms-crc/net.ckpt", "files": {"net.ckpt": SINGLE}}}
            if (root / "ms-crc").is_dir() else {}),
