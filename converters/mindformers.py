@@ -147,7 +147,8 @@ class MindFormersReader:
             raise UnknownFormatError(f"{where}: {exc.message}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptMetadataError(f"{where}: not MindFormers checkpoint metadata ({type(exc).__name__}: {exc})") from None
-        files = sorted({c.file for e in tensors.values() for c in e.chunks})
+        # every file storage_data names, replicas' too: `verify` checks each is there and sound
+        files = sorted({prefix + _file_name(f, where) for holders in files_of.values() for f in holders})
         return CheckpointIndex(root=path, format=self.name, format_version="2.0", framework="mindspore",
                                tensors=tensors, values={}, data_files=files, locator=MindFormersLocator(path),
                                metadata_files=[prefix + METADATA])

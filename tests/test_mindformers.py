@@ -93,6 +93,12 @@ def test_bad_mindformers_metadata(tmp_path):
         metadata.write_text(json.dumps(broken))
         out = hpckpt("inspect", str(iteration), code=6)
         assert "not a (name, offset) tuple" in out and "Traceback" not in out, out
+    # a replica's file that storage_data names is checked too, though the first holder is read
+    replicas = json.loads(json.dumps(doc))
+    bias = next(k for k in replicas["storage_data"] if "fc2.bias" in k)
+    replicas["storage_data"][bias].append({"file_name": "model-0000002-0000003.safetensors", "storage_rank": 2})
+    metadata.write_text(json.dumps(replicas))
+    assert "model-0000002-0000003.safetensors" in hpckpt("verify", str(iteration), code=8)
     slices = dict(doc)
     slices["state_dict_metadata"] = json.loads(json.dumps(doc["state_dict_metadata"]))
     slices["state_dict_metadata"]["fc1.weight"]["chunk"][1]["global_offset"] = [2]  # only 2 slices
