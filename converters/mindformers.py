@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -68,15 +69,13 @@ def iteration_of(path: Path) -> Path | None:
 class MindFormersLocator(DataFileLocator):
     """Tensors as in any safetensors checkpoint; values are `common.json`'s entries."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, common: dict):
         super().__init__(root)
-        self._common: dict | None = None
+        self._common = common  # common.json, read once with the metadata
 
     def decode_value(self, entry: ValueEntry) -> Any:
         if entry.encoding != "json-field":
             return super().decode_value(entry)
-        if self._common is None:
-            self._common = _read_json(self.path(entry.file), "common.json")
         key = entry.fqn.removeprefix(VALUE_PREFIX)
         if key not in self._common:
             raise CorruptDataError(f"{entry.file}: no entry {key!r} (changed since it was read?)")
@@ -100,15 +99,15 @@ class MindFormersReader:
         # names relative to what was asked for: a checkpoint root is the tracker and its iteration
         prefix = "" if root == path else f"{root.name}/"
         shards = sorted(p.name for p in root.iterdir() if SHARD.fullmatch(p.name))
+        common = _read_json(root / COMMON, "common.json") if lexists(root / COMMON) else None
+        locator = MindFormersLocator(path, common or {})
         if lexists(root / METADATA):
-            index = self._with_metadata(path, prefix)
+            index = self._with_metadata(path, prefix, locator)
         else:  # a single card: whole tensors, as the headers say
-            index = index_safetensors_files(path, [prefix + s for s in shards], self.name)
-            index.locator = MindFormersLocator(path)
+            index = index_safetensors_files(path, [prefix + s for s in shards], self.name, locator=locator)
             index.notes.append("no metadata.json (a single card's save): every tensor whole, from the file headers")
         index.format, index.format_version, index.framework = self.name, "2.0", "mindspore"
-        if lexists(root / COMMON):
-            common = _read_json(root / COMMON, "common.json")
+        if common is not None:
             size = (root / COMMON).stat().st_size
             index.values.update({f"{VALUE_PREFIX}{k}": ValueEntry(f"{VALUE_PREFIX}{k}", prefix + COMMON, 0, size,
                                                                   encoding="json-field") for k in sorted(common)})
@@ -120,7 +119,7 @@ class MindFormersReader:
         index.world_size = max(sizes) if sizes else index.world_size
         return index
 
-    def _with_metadata(self, path: Path, prefix: str) -> CheckpointIndex:
+    def _with_metadata(self, path: Path, prefix: str, locator: MindFormersLocator) -> CheckpointIndex:
         doc = _read_json(path / prefix / METADATA, "metadata.json")
         where = f"{path / prefix / METADATA}"
         try:
@@ -150,7 +149,7 @@ class MindFormersReader:
         # every file storage_data names, replicas' too: `verify` checks each is there and sound
         files = sorted({prefix + _file_name(f, where) for holders in files_of.values() for f in holders})
         return CheckpointIndex(root=path, format=self.name, format_version="2.0", framework="mindspore",
-                               tensors=tensors, values={}, data_files=files, locator=MindFormersLocator(path),
+                               tensors=tensors, values={}, data_files=files, locator=locator,
                                metadata_files=[prefix + METADATA])
 
 
@@ -161,9 +160,7 @@ def _element_offsets(shard: tuple[int, ...], grid: tuple[int, ...], sizes: tuple
     `_tensor_map_with_rank_id` strides them) times the equal local shape of every slice."""
     if len(grid) != len(sizes) or len(shard) != 1 or any(g < 1 for g in grid):
         raise CorruptMetadataError(f"{where}: chunk {list(shard)} does not fit axis_fragmentations {list(grid)}")
-    slice_id, total = shard[0], 1
-    for g in grid:
-        total *= g
+    slice_id, total = shard[0], math.prod(grid)
     if not 0 <= slice_id < total:
         raise CorruptMetadataError(f"{where}: slice {slice_id} of {total} (axis_fragmentations {list(grid)})")
     coords = []
@@ -311,7 +308,7 @@ def _grid(tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     if ok:
         grid = tuple(n // s for n, s in zip(shape, local))
         ok = all(o % s == 0 for b in tensor.boxes for o, s in zip(b.box.offsets, local))
-        ok = ok and len({b.box.offsets for b in tensor.boxes}) == _product(grid)
+        ok = ok and len({b.box.offsets for b in tensor.boxes}) == math.prod(grid)
     if not ok:
         raise ReshardOptionError(
             f"tensor {tensor.fqn!r} {list(shape)} is split into unequal pieces ({sorted(map(list, sizes))[:3]}): "
@@ -336,14 +333,7 @@ def _layout(grid: tuple[int, ...]) -> dict | None:
         else:
             tensor_map.append(-1)
     return {"device_matrix": split, "tensor_map": tensor_map, "interleaved_parallel": False,
-            "alias_name": [f"d{i}" for i in range(axes)], "rank_list": list(range(_product(split)))}
-
-
-def _product(values) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
+            "alias_name": [f"d{i}" for i in range(axes)], "rank_list": list(range(math.prod(split)))}
 
 
 def _slice_number(offsets: tuple[int, ...], grid: tuple[int, ...], local: tuple[int, ...]) -> int:

@@ -27,7 +27,8 @@ from hpckpt.core.storage.urls import lexists
 
 
 def index_safetensors_files(root: Path, files: list[str], fmt: str, *, assemble: bool = True,
-                            sidecar: str | None = None, owners: Mapping[str, str] | None = None) -> CheckpointIndex:
+                            sidecar: str | None = None, owners: Mapping[str, str] | None = None,
+                            locator: DataFileLocator | None = None) -> CheckpointIndex:
     """Build an index over the safetensors files `files` (relative to `root`).
 
     A tensor whose file's `__metadata__` places it at offsets (`DCP_SHARDING_INFO`, PyTorch's
@@ -38,7 +39,7 @@ def index_safetensors_files(root: Path, files: list[str], fmt: str, *, assemble:
     whole in several files is read from the one `owners` (an index's weight_map) names, as
     Hugging Face loaders do; without one, from the first, with a warning.
     """
-    locator = DataFileLocator(root)
+    locator = locator if locator is not None else DataFileLocator(root)  # (a format's own, reading its values)
     tensors: dict[str, TensorEntry] = {}
     frameworks = set()
     headers = []

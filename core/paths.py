@@ -54,10 +54,10 @@ def baseline_of(root: Path, relative: str) -> Path | None:
     parts = relative.split("/")
     if len(parts) < 3 or parts[0] != ".." or parts[1] in ("", ".", "..") or any(p in ("", ".", "..") for p in parts[2:]):
         return None
-    parent = root.resolve().parent
-    sibling = parent / parts[1]
+    here = root.resolve()
+    sibling = here.parent / parts[1]
     try:
-        if sibling.is_symlink() or not sibling.is_dir() or sibling == root.resolve():
+        if sibling.is_symlink() or not sibling.is_dir() or sibling == here:
             return None
         if not (sibling / BASELINE_MARK).is_file():
             return None

@@ -17,7 +17,6 @@ from hpckpt.converters.hyperparallel.writer import tensor_file, values_file
 from hpckpt.core.commit import manifest
 from hpckpt.core.commit.durable import spool_root, write_error
 from hpckpt.core.commit.leftovers import WRITING
-from hpckpt.core.commit.object_staging import UPLOAD_FILES
 from hpckpt.core.commit.object_uploads import Uploads
 from hpckpt.core.commit.rank_local import publish_rank_part
 from hpckpt.core.errors import HpckptError, SaveError
@@ -25,7 +24,6 @@ from hpckpt.core.io.accounting import check_written
 from hpckpt.core.io.memory_source import memory_index
 from hpckpt.core.io.output import Finished
 from hpckpt.core.io.write import WriteSettings, fill, lay_out
-from hpckpt.core.storage.object_store import UPLOAD_CONCURRENCY, UPLOAD_PART
 from hpckpt.dist import manifest_parts
 from hpckpt.dist.coordination import Restarted, Storage, confirm_and_wait
 from hpckpt.dist.results import SaveResult
@@ -94,8 +92,7 @@ def _persist_together(planned: PlannedSave) -> SaveResult:
         plan = replace(gp.plan([rank]), producing=(rank,))
         uploads = None
         if request.remote:  # this rank's files go up as they are written, then its manifest part
-            uploads = Uploads(request.path.store, request.staging_path, lambda name: (request.path / name).key,
-                              files=UPLOAD_FILES, memory=UPLOAD_PART * UPLOAD_CONCURRENCY)
+            uploads = Uploads(request.path.store, request.staging_path, lambda name: (request.path / name).key)
         mine["files"], mine["bytes"], _finished, digests = _write_own(planned, plan, request.staging_path,
                                                                       gp.value_lengths, uploads)
         mine["digests"] = manifest_parts.write_part(request.staging_path, rank, digests)

@@ -68,6 +68,10 @@ class Fragment:
     `.hpckpt-fanout/`, for `finalize`.
     """
 
+    #: told how much of each file the engine has made final: nothing to do here (`ObjectFragment`
+    #: uploads them as they grow)
+    filled = None
+
     def __init__(self, dest: Path, *, source: Path | None = None, sync: bool = True, parents: bool = False,
                  needed: int = 0):
         self.dest = Path(dest)

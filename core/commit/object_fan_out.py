@@ -20,7 +20,6 @@ import shutil
 import socket
 import tempfile
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hpckpt.core.commit import manifest
@@ -28,7 +27,7 @@ from hpckpt.core.commit.destination import refuse_unsafe
 from hpckpt.core.commit.durable import check_space, spool_root
 from hpckpt.core.commit.fan_out import file_identity, gather, manifest_of, plan_digest
 from hpckpt.core.commit.leftovers import FRAGMENT_DIR, WRITING
-from hpckpt.core.commit.object_staging import UPLOAD_FILES
+from hpckpt.core.commit.object_uploads import Uploads
 from hpckpt.core.errors import DestinationExistsError
 
 
@@ -60,8 +59,6 @@ class ObjectFragment:
         self.dest, self.store = dest, dest.store
         self.sync = False  # the spool is scratch: durability is the store's
         self.fragments = dest / FRAGMENT_DIR
-        self._memory = memory
-        self._uploaded: list[str] = []
         self._committed = False
         refuse_unsafe(dest, source)
         self.store.refresh(dest.key)  # other jobs write here: nothing cached is current
@@ -74,7 +71,9 @@ class ObjectFragment:
         except BaseException:
             self.store.delete([self._job.key])
             raise
-
+        self.uploads = Uploads(self.store, self.path, lambda name: (dest / name).key,
+                               **({} if memory is None else {"memory": memory}))
+        self.filled = self.uploads.filled  # files go up as the engine writes them
     def commit(self, ranks: tuple[int, ...], metadata: tuple[tuple[str, bytes], ...], expected: list[str],
                digests=None, header: dict | None = None) -> None:
         """Upload this job's files and record them with the plan they belong to (as `Fragment`)."""
@@ -82,15 +81,7 @@ class ObjectFragment:
             raise DestinationExistsError(f"{self.dest} is already a finished checkpoint")
         plan = plan_digest(metadata)
         names = sorted(os.listdir(self.path))
-        files = max(1, min(UPLOAD_FILES, len(names)))
-        memory = {} if self._memory is None else {"memory": max(1, self._memory // files)}
-
-        def up(name: str) -> None:
-            self._uploaded.append(name)  # (before: a failed upload may have landed)
-            self.store.upload((self.dest / name).key, self.path / name, **memory)
-
-        with ThreadPoolExecutor(files) as pool:
-            list(pool.map(up, names))
+        self.uploads.upload_rest(names)
         if not (self.fragments / f"plan-{plan[:16]}.json").is_file():
             for name, data in metadata:
                 self.store.put((self.fragments / f"plan-{plan[:16]}{name}").key, data)
@@ -111,10 +102,11 @@ class ObjectFragment:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self.uploads.cancel()  # (nothing lands after the clean-up below)
         try:
             keys = [self._job.key]
             if not self._committed:
-                keys += [(self.dest / name).key for name in self._uploaded]
+                keys += [(self.dest / name).key for name in self.uploads.uploaded]
             self.store.delete(keys)
         finally:
             shutil.rmtree(self.path, ignore_errors=True)

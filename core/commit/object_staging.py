@@ -40,18 +40,13 @@ from hpckpt.core.commit import formats
 from hpckpt.core.commit.destination import refuse_unsafe
 from hpckpt.core.commit.durable import check_space, spool_root
 from hpckpt.core.commit.leftovers import WRITING, describe_mark, mark_is_alive, read_mark, writing_mark
-from hpckpt.core.commit.object_uploads import Uploads
+from hpckpt.core.commit.object_uploads import DEFAULT_MEMORY, UPLOAD_FILES, Uploads
 from hpckpt.core.errors import (
     DestinationExistsError,
     DestinationLockedError,
     HpckptError,
     UnsafeDestinationError,
 )
-from hpckpt.core.storage.object_store import UPLOAD_CONCURRENCY, UPLOAD_PART
-
-#: Data files uploaded at once; `memory` (the part of `--max-memory` that is not the engine's:
-#: `core.io.write`) is shared between them as parts in flight (`core.storage.object_store`).
-UPLOAD_FILES = 2
 
 
 def recognised_checkpoint(dest):
@@ -80,11 +75,8 @@ class ObjectStaging:
     """`core.commit.staging.Staging` for a destination in an object store: same protocol."""
 
     def __init__(self, dest, *, source=None, force: bool = False, file_output: bool = False, needed: int = 0,
-                 memory: int = UPLOAD_FILES * UPLOAD_PART * UPLOAD_CONCURRENCY):
+                 memory: int = DEFAULT_MEMORY):
         self.dest, self.force, self.file_output = dest, force, file_output
-        # files going up at once: as many as `memory` holds at two parts each (one going up, the
-        # next being read), at most UPLOAD_FILES; each gets its share as parts in flight
-        files = 1 if file_output else max(1, min(UPLOAD_FILES, memory // (2 * UPLOAD_PART)))
         self.store = dest.store
         self.sync = False  # the spool is scratch: durability is the store's
         self._marks: list[str] = []
@@ -106,8 +98,8 @@ class ObjectStaging:
             self._release_mark()
             raise
         # (a single-file output is its own completion mark: streamed, but completed by `commit`)
-        self.uploads = Uploads(self.store, self.path, self._key, files=files,
-                               memory=max(2 * UPLOAD_PART, memory // files), announce=self._announce,
+        self.uploads = Uploads(self.store, self.path, self._key, memory=memory,
+                               files=1 if file_output else UPLOAD_FILES, announce=self._announce,
                                held=(dest.name,) if file_output else ())
 
     # -- the writer's mark ----------------------------------------------------------------------

@@ -18,20 +18,28 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from hpckpt.core.errors import HpckptError
-from hpckpt.core.storage.object_store import SINGLE_PUT, UPLOAD_PART
+from hpckpt.core.storage.object_store import SINGLE_PUT, UPLOAD_CONCURRENCY, UPLOAD_PART
 
 #: A streamed upload reads the spool this much at a time into the part being filled.
 STREAM_PIECE = 1 << 20
+#: Files going up at once, at most; `memory` (the part of `--max-memory` that is not the engine's:
+#: `core.io.write`) is shared between them as parts in flight (`core.storage.object_store`).
+UPLOAD_FILES = 2
+DEFAULT_MEMORY = UPLOAD_FILES * UPLOAD_PART * UPLOAD_CONCURRENCY
 
 
 class Uploads:
-    """Uploads of the files in `spool` to `key_of(name)`, `files` at once, each holding about
-    `memory` bytes; `announce(name)` is called before a file starts going up."""
+    """Uploads of the files in `spool` to `key_of(name)`, holding about `memory` bytes in all:
+    as many files at once as it holds at two parts each (one going up, the next being filled),
+    at most `files`, each with its share as parts in flight; `announce(name)` is called before a
+    file starts going up."""
 
-    def __init__(self, store, spool: Path, key_of: Callable[[str], str], *, files: int, memory: int,
-                 announce: Callable[[str], None] | None = None, held: tuple[str, ...] = ()):
+    def __init__(self, store, spool: Path, key_of: Callable[[str], str], *, memory: int = DEFAULT_MEMORY,
+                 files: int = UPLOAD_FILES, announce: Callable[[str], None] | None = None,
+                 held: tuple[str, ...] = ()):
         self.store, self.spool, self.key_of = store, spool, key_of
-        self.files, self.memory = files, memory
+        self.files = max(1, min(files, memory // (2 * UPLOAD_PART)))
+        self.memory = max(2 * UPLOAD_PART, memory // self.files)
         self.announce = announce or (lambda name: None)
         self.held = set(held)
         self.uploaded: list[str] = []  # begun (an upload that failed may still have landed)

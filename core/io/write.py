@@ -149,17 +149,26 @@ def _engine_options(settings: WriteSettings) -> dict:
     return dict(jobs=settings.jobs, max_memory=settings.max_memory, progress=advance, sync=settings.sync)
 
 
+def _upload_share(dest, settings: WriteSettings) -> tuple[WriteSettings, int | None]:
+    """For a destination in a store, the parts in flight come out of the same budget as the
+    engine's tiles: half each. Returns the engine's settings and the uploads' bytes (None: local)."""
+    if not is_object(dest):
+        return settings, None
+    uploads = settings.max_memory // 2
+    return replace(settings, max_memory=settings.max_memory - uploads), uploads
+
+
 def _write_fragment(plan, layout, source, writer, dest, settings, source_path, needed, fields) -> engine.Executed:
-    if is_object(dest):  # (the memory shared as for a staged write: `_write_staged`)
+    settings, uploads = _upload_share(dest, settings)
+    if uploads is not None:
         from hpckpt.core.commit.object_fan_out import ObjectFragment
 
-        uploads = settings.max_memory // 2
-        settings = replace(settings, max_memory=settings.max_memory - uploads)
         fragment = ObjectFragment(dest, source=source_path, needed=needed, memory=uploads)
     else:
         fragment = Fragment(dest, source=source_path, sync=settings.sync, parents=settings.parents, needed=needed)
     with fragment:
-        done, finished = fill(layout, source, writer, fragment.path, replace(settings, sync=fragment.sync))
+        done, finished = fill(layout, source, writer, fragment.path, replace(settings, sync=fragment.sync),
+                              filled=fragment.filled)
         every_rank = replace(plan, producing=tuple(range(plan.world_size)))
         header = None
         if fields is not None and settings.manifest:  # finalize adds the files and the listing
@@ -174,10 +183,7 @@ def _write_staged(plan, layout, source, writer, dest, settings, file_output, rea
                   needed, fields) -> tuple[engine.Executed, tuple[str, ...]]:
     """The staged write; returns what the engine did and the names of the metadata files (the
     manifest's included)."""
-    uploads = None
-    if is_object(dest):  # the parts in flight come out of the same budget as the engine's tiles
-        uploads = settings.max_memory // 2
-        settings = replace(settings, max_memory=settings.max_memory - uploads)
+    settings, uploads = _upload_share(dest, settings)
     with staging_for(dest, source=source_path, force=settings.force, sync=settings.sync, file_output=file_output,
                      parents=settings.parents, needed=needed, memory=uploads) as staging:
         done, finished = fill(layout, source, writer, staging.path, replace(settings, sync=staging.sync),
