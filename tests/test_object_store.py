@@ -533,6 +533,15 @@ def test_live_save_and_load_through_a_store(server, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     hpckpt("reshard", url("live"), "-o", str(tmp_path / "one"), "--world-size", "3")
     assert normalized_tree(objects(s3, "run-reshard")) == normalized_tree(file_tree(tmp_path / "one"))
+    from hpckpt.core.commit.set_aside import SetAside
+    from hpckpt.core.errors import DestinationExistsError
+    from hpckpt.core.storage.urls import as_path
+
+    with pytest.raises(DestinationExistsError, match="run-reshard exists") as refused:  # (its coordinator's check)
+        SetAside(as_path(url("run-reshard")), force=False).prepare()
+    assert refused.value.hint == "--force replaces it"
+    with pytest.raises(DestinationExistsError, match="is an object, not a prefix"):
+        SetAside(as_path(url("run-reshard/.metadata")), force=True).prepare()
     hpckpt("run", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "again"), "reshard", url("live"),
            "-o", url("run-reshard"), "--world-size", "1", "--force")
     hpckpt("reshard", url("live"), "-o", str(tmp_path / "one-rank"), "--world-size", "1")
