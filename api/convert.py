@@ -70,14 +70,17 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, *, layout: 
             framework: str | None = None, dtype: str | None = None, select: Selection = Selection(),
             rules: Any = None, max_shard_size: str | int = "5GB", crc: bool = False,
             settings: WriteSettings = WriteSettings(), dry_run: bool = False, command: str = "convert",
-            index: CheckpointIndex | None = None, skip_unsupported: bool = False) -> WriteReport:
+            index: CheckpointIndex | None = None, skip_unsupported: bool = False,
+            keep_replicas: bool = False) -> WriteReport:
     """Convert `src` (any format hpckpt reads) into the format `to` (or the one `dst`'s
     extension names); layout formats keep the source's layout unless `layout` is given.
 
     `rules` (a `converters.naming.NameRules` or a preset name) renames, transposes and casts
     entries; `framework` picks dtype spellings and file flavours ("torch" or "mindspore");
     `index` is the source's, when the caller has opened it already; `skip_unsupported` leaves out
-    (and reports) the tensors whose dtype the target format cannot hold instead of failing.
+    (and reports) the tensors whose dtype the target format cannot hold instead of failing;
+    `keep_replicas` has every rank holding a replicated box write it (MindFormers' form without
+    remove-redundancy).
     """
     started = time.perf_counter()
     fmt = target_format(to, dst)
@@ -104,7 +107,7 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, *, layout: 
     if not fmt.whole_tensors and layout is None:
         layout = source_layout(view)
     target = pipeline.Target(fmt, layout, None, framework, dtype, casts or None, parse_size(max_shard_size), crc,
-                             skip_unsupported)
+                             skip_unsupported, every_replica=keep_replicas)
     return pipeline.write(command, src, dst, view, target, settings, started=started, extra=extra, dropped=dropped)
 
 

@@ -31,7 +31,7 @@ def _file_sizes(index: CheckpointIndex) -> tuple[dict, ...]:
     out = []
     for name in index.metadata_files + index.data_files:
         try:
-            size = (index.root / name).stat().st_size
+            size = index.data_path(name).stat().st_size
         except (OSError, ValueError):  # missing, or no possible file name (a NUL byte): verify says which
             size = None
         out.append({"path": name, "bytes": size})

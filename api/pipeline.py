@@ -21,7 +21,7 @@ from hpckpt.converters.base import Format, WriterOptions
 from hpckpt.core import dtypes
 from hpckpt.core.commit import manifest
 from hpckpt.core.dtypes import DType
-from hpckpt.core.errors import UnsupportedDTypeError
+from hpckpt.core.errors import ReshardOptionError, UnsupportedDTypeError
 from hpckpt.core.geometry.layout import LayoutSpec
 from hpckpt.core.geometry.plan import Plan, make_plan, out_dtype, whole_tensor_plan
 from hpckpt.core.geometry.plan_stats import rank_stats
@@ -39,7 +39,8 @@ class Target:
     `dtype` casts floating tensors, `casts` single ones (fqn -> dtype); `framework` spells dtypes
     and file flavours as torch or MindSpore does. A tensor whose dtype the format cannot hold
     fails the run before anything is written, or with `skip_unsupported` is left out and
-    reported."""
+    reported. `every_replica` stores a replicated box on every rank holding it (formats that
+    can: `Format.every_replica`), not once."""
 
     format: Format
     layout: LayoutSpec | None = None
@@ -50,6 +51,7 @@ class Target:
     max_shard_bytes: int = 5 * 10**9
     crc: bool = False
     skip_unsupported: bool = False
+    every_replica: bool = False
 
 
 def make_target_plan(source: CheckpointIndex, target: Target, names: Iterable[str] | None = None) -> Plan:
@@ -59,7 +61,7 @@ def make_target_plan(source: CheckpointIndex, target: Target, names: Iterable[st
         return whole_tensor_plan(source, names=names, cast_to=cast_to, casts=target.casts)
     world_size = max(target.layout.mesh.ranks) + 1
     return make_plan(source, target.layout, world_size, names=names, ranks=target.ranks, cast_to=cast_to,
-                     casts=target.casts)
+                     casts=target.casts, every_replica=target.every_replica)
 
 
 def _layout_record(target: Target) -> dict:
@@ -147,6 +149,9 @@ def write(command: str, src: str | Path, dst: str | Path, source: CheckpointInde
     started = time.perf_counter() if started is None else started
     dst = as_path(dst)
     refuse_interrupted(source)
+    if target.every_replica and not target.format.every_replica:
+        raise ReshardOptionError(f"{target.format.name} stores each box once: --keep-replicas is for mindformers",
+                                 hint="leave --keep-replicas out")
     names, refused = _refuse_or_skip(source, target, names)
     fit_warnings = () if target.format.whole_tensors else check_fit(target.layout, source, names)
     plan = make_target_plan(source, target, names)
@@ -174,6 +179,9 @@ def write(command: str, src: str | Path, dst: str | Path, source: CheckpointInde
         base = dst.parent if target.format.destination == "file" else dst
         paths = tuple(str(base / name) for name in result.names)
         skipped, converted = tuple(sorted({*refused, *dropped, *result.skipped})), tuple(sorted(set(result.converted)))
+        if target.format.after_commit is not None and target.ranks is None:
+            beside, said = target.format.after_commit(dst)
+            paths, fit_warnings = (*paths, *beside), (*fit_warnings, *said)
     summary = PlanSummary(plan.world_size, ranks, files) if layouts else None
     return WriteReport(
         command=command, source=str(src), destination=str(dst), source_format=source.format,

@@ -1,4 +1,5 @@
-"""`reshard`: a checkpoint onto a new world size or layout, as HyperParallel DCP; and `finalize`."""
+"""`reshard`: a checkpoint onto a new world size or layout (HyperParallel DCP, or another layout
+format); and `finalize`."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from pathlib import Path
 from hpckpt.api import pipeline
 from hpckpt.api.options import Selection
 from hpckpt.api.reports import FinalizeReport, WriteReport
-from hpckpt.converters import format_named, open_index
+from hpckpt.converters import detect, format_named, open_index
 from hpckpt.core.commit import fan_out
 from hpckpt.core.commit.lock import holds_source
+from hpckpt.core.errors import ReshardOptionError
 from hpckpt.core.geometry.layout import LayoutSpec
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.io.write import WriteSettings
@@ -23,16 +25,26 @@ from hpckpt.core.storage.urls import as_path
 def reshard(src: str | Path, dst: str | Path, layout: LayoutSpec, *, select: Selection = Selection(),
             ranks: Iterable[int] | None = None, framework: str | None = None, dtype: str | None = None,
             settings: WriteSettings = WriteSettings(), dry_run: bool = False,
-            index: CheckpointIndex | None = None) -> WriteReport:
-    """Reshard `src` into a HyperParallel DCP checkpoint at `dst` laid out by `layout`.
+            index: CheckpointIndex | None = None, to: str = "hyperparallel",
+            keep_replicas: bool = False) -> WriteReport:
+    """Reshard `src` into a checkpoint at `dst` laid out by `layout`, in the layout format `to`
+    (HyperParallel DCP, PyTorch DCP or MindFormers; `keep_replicas`: MindFormers' form in which
+    every rank holding a replicated box writes it).
 
     With `ranks`, only those target ranks' files are written (fan-out); `finalize(dst)` writes
     the metadata once every rank's files are there. `dry_run` plans and writes nothing.
+
+    Raises:
+        ReshardOptionError: `to` is not a format that stores a layout.
     """
     started = time.perf_counter()
+    fmt = format_named(to)
+    if fmt.writer is None or fmt.whole_tensors:
+        raise ReshardOptionError(f"reshard writes a layout format (hyperparallel, torch-dcp, mindformers), not {fmt.name}",
+                                 hint="`hpckpt consolidate` or `hpckpt convert` writes whole tensors")
     index = index if index is not None else open_index(src)
-    target = pipeline.Target(format_named("hyperparallel"), layout, tuple(ranks) if ranks is not None else None,
-                             framework, dtype)
+    target = pipeline.Target(fmt, layout, tuple(ranks) if ranks is not None else None, framework, dtype,
+                             every_replica=keep_replicas)
     names = None if select.everything else select.names([*index.tensors, *index.values])
     return pipeline.write("reshard", src, dst, index, target, settings, names=names, dry_run=dry_run, started=started)
 
@@ -52,4 +64,8 @@ def finalize(dst: str | Path) -> FinalizeReport:
         data, metadata = finalize_objects(dst)
     else:
         data, metadata = fan_out.finalize(dst)
-    return FinalizeReport(str(dst), tuple(str(dst / name) for name in (*data, *metadata)), len(data))
+    written = tuple(str(dst / name) for name in (*data, *metadata))
+    fmt = detect(dst)
+    if fmt.after_commit is not None:  # (MindFormers' tracker)
+        written += fmt.after_commit(dst)[0]
+    return FinalizeReport(str(dst), written, len(data))

@@ -22,6 +22,9 @@ from hpckpt.cli._errors import location
 WRITABLE_FORMATS = ("hyperparallel", "hp", "torch-dcp", "mindformers", "mf", "hf-sharded", "hf", "mindspore-ckpt", "ms", "ckpt",
                     "safetensors", "torch-save", "pt")
 FormatName = Literal[WRITABLE_FORMATS]  # type: ignore[valid-type]
+#: the formats that store any layout: what `reshard --to` writes
+LAYOUT_FORMATS = ("hyperparallel", "hp", "torch-dcp", "mindformers", "mf")
+LayoutFormatName = Literal[LAYOUT_FORMATS]  # type: ignore[valid-type]
 DTypeName = Literal["bf16", "fp16", "fp32", "fp64", "bfloat16", "float16", "float32", "float64"]
 SplitRule = Literal["balanced", "ceil"]
 FrameworkName = Literal["torch", "mindspore"]
@@ -82,6 +85,9 @@ Force = Annotated[bool, typer.Option("--force", help="Replace an existing destin
 Parents = Annotated[bool, typer.Option("--parents", help="Create missing parent directories of -o.")]
 SkipUnsupported = Annotated[bool, typer.Option(
     "--skip-unsupported", help="Leave out (and list) tensors of a dtype the target format cannot hold, instead of failing.")]
+KeepReplicas = Annotated[bool, typer.Option(
+    "--keep-replicas", help="mindformers: every rank holding a replicated box writes it (MindFormers without "
+    "remove-redundancy); default: each box once.")]
 Framework = Annotated[Optional[FrameworkName], typer.Option(
     "--framework", help="dtype strings as torch or mindspore writes them (default: the source's).")]
 

@@ -41,7 +41,7 @@ def name_rules(rules_file: Optional[Path], preset: Optional[str], direction: Opt
 
 
 def run(src, out, to, *, layout, framework, dtype, select, rules, max_shard_size, crc, write, dry_run, command,
-        index=None, skip_unsupported=False, progress=None) -> None:
+        index=None, skip_unsupported=False, progress=None, keep_replicas=False) -> None:
     """Run `api.convert` with the options both convert commands share, and render its report.
     `write` is the command's Write or ParallelWrite options."""
     from hpckpt import api
@@ -57,7 +57,7 @@ def run(src, out, to, *, layout, framework, dtype, select, rules, max_shard_size
     report = api.convert(src, out, to, layout=layout, framework=framework, dtype=dtype,
                          select=select.selection(), rules=rules, max_shard_size=max_shard_size,
                          crc=crc, settings=settings, dry_run=dry_run, command=command, index=index,
-                         skip_unsupported=skip_unsupported)
+                         skip_unsupported=skip_unsupported, keep_replicas=keep_replicas)
     progress.stop()
     _output.warn_skipped(report)
     if _output.json_mode():
@@ -87,7 +87,7 @@ def convert(
         "--to", "-t", help="Any format hpckpt writes (default: from -o's extension).")] = None,
     world_size: Annotated[Optional[int], typer.Option("--world-size", "-w", min=1, help=_LAYOUT_HELP)] = None,
     split: opt.Split = "balanced",
-    mesh: Annotated[Optional[str], typer.Option("--mesh", help="Target device mesh, e.g. 2x4 (hp, torch-dcp).")] = None,
+    mesh: Annotated[Optional[str], typer.Option("--mesh", help="Target device mesh, e.g. 2x4 (hp, torch-dcp, mindformers).")] = None,
     placements: opt.Placements = None,
     layout_rules: opt.LayoutRules = None,
     layout_files: opt.LayoutFiles = None,
@@ -99,9 +99,10 @@ def convert(
     crc: Annotated[bool, typer.Option("--crc", help="ms: end the .ckpt with MindSpore's CRC trailer.")] = False,
     write: ParallelWrite = ParallelWrite(),
     skip_unsupported: opt.SkipUnsupported = False,
+    keep_replicas: opt.KeepReplicas = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be written (and the name table); write nothing.")] = False,
 ) -> None:
-    """Convert a checkpoint to another format: pt, ms, safetensors, hf, hp or torch-dcp."""
+    """Convert a checkpoint to another format: pt, ms, safetensors, hf, hp, torch-dcp or mindformers."""
     from hpckpt.cli import _targets
     from hpckpt.cli._progress import TerminalProgress
 
@@ -115,7 +116,7 @@ def convert(
     elif placements:
         raise typer.BadParameter("--placements goes with --mesh")
     if layouts_given and fmt.whole_tensors:
-        raise typer.BadParameter(f"layout options apply to hp and torch-dcp targets, not {fmt.name}")
+        raise typer.BadParameter(f"layout options apply to hp, torch-dcp and mindformers targets, not {fmt.name}")
     rules = None
     if names is not None:
         is_file = names.endswith(".toml") or Path(names).is_file()
@@ -132,4 +133,4 @@ def convert(
                 raise typer.BadParameter(str(exc)) from None
         run(src, out, fmt.name, layout=layout, framework=framework, dtype=dtype, select=select, rules=rules,
             max_shard_size=max_shard_size, crc=crc, write=write, dry_run=dry_run, command="convert",
-            skip_unsupported=skip_unsupported, index=index, progress=progress)
+            skip_unsupported=skip_unsupported, index=index, progress=progress, keep_replicas=keep_replicas)

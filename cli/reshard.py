@@ -19,6 +19,7 @@ EXAMPLES = """Examples:
   hpckpt reshard ckpt/ -o out/ --layout-file rank0.layout --layout-file rank1.layout
   hpckpt reshard ckpt/ -o out/ --mesh 2x8 --keep-layout      same layouts, new mesh size
   hpckpt reshard ckpt/ -o out/ --world-size 64 --plan        what each rank reads and writes
+  hpckpt reshard ckpt/ -o mf/iteration_00000100 --to mindformers --world-size 8   (tracker in mf/)
   hpckpt reshard ckpt/ -o out/ --world-size 64 --rank 0-15   this machine's share (fan-out)
   hpckpt reshard --finalize out/                             metadata, once every share is done
 """
@@ -29,7 +30,9 @@ EXAMPLES = """Examples:
 def reshard(
     src: Annotated[Optional[Path], typer.Argument(
         parser=location, help="Source checkpoint (any format hpckpt reads); with --finalize, the destination.")] = None,
-    out: Annotated[Optional[Path], typer.Option("--output", "-o", parser=location, help="Destination directory (HyperParallel DCP).")] = None,
+    out: Annotated[Optional[Path], typer.Option("--output", "-o", parser=location, help="Destination directory.")] = None,
+    to: Annotated[opt.LayoutFormatName, typer.Option(
+        "--to", "-t", help="The destination's format: hyperparallel (hp), torch-dcp or mindformers (mf).")] = "hyperparallel",
     layout: TargetLayout = TargetLayout(),
     rank: Annotated[Optional[List[str]], typer.Option(
         "--rank", "-r", metavar="R", help="Write only these target ranks (e.g. 3, 0-7); repeatable.")] = None,
@@ -37,11 +40,12 @@ def reshard(
     select: Select = Select(),
     dtype: opt.DType = None,
     framework: opt.Framework = None,
+    keep_replicas: opt.KeepReplicas = False,
     write: ParallelWrite = ParallelWrite(),
     dry_run: Annotated[bool, typer.Option(
         "--plan", "--dry-run", help="Print what each target rank reads and writes; copy nothing.")] = False,
 ) -> None:
-    """Reshard a checkpoint to a new world size or layout (output: HyperParallel DCP)."""
+    """Reshard a checkpoint to a new world size or layout (output: HyperParallel DCP, or --to's format)."""
     from hpckpt import api
     from hpckpt.cli import _output, _targets
     from hpckpt.cli._progress import TerminalProgress
@@ -68,7 +72,8 @@ def reshard(
             except ValueError as exc:
                 raise typer.BadParameter(str(exc)) from None
             report = api.reshard(src, out, spec, select=select.selection(), ranks=ranks,
-                                 framework=framework, dtype=dtype, settings=settings, dry_run=dry_run, index=index)
+                                 framework=framework, dtype=dtype, settings=settings, dry_run=dry_run, index=index,
+                                 to=to, keep_replicas=keep_replicas)
     _output.warn_skipped(report)
     if _output.json_mode():
         _output.emit_json(report.to_json())

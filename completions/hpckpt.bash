@@ -18,9 +18,9 @@ _hpckpt_options() {
         'hpckpt verify') _hpckpt_words=(--strict --deep --nan --jobs -j --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt diff') _hpckpt_words=(--names --atol --rtol --allow-dtype --include -i --exclude -x --max-memory --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt checksum') _hpckpt_words=(--force --jobs -j --json --quiet -q --no-progress --debug --help -h) ;;
-        'hpckpt reshard') _hpckpt_words=(--output -o --world-size -w --split --mesh --placements --layout-rules --layout-file --keep-layout --rank -r --finalize --include -i --exclude -x --dtype --framework --jobs -j --max-memory --no-fsync --force --parents --dry-run --plan --json --quiet -q --no-progress --debug --help -h) ;;
+        'hpckpt reshard') _hpckpt_words=(--output -o --to -t --world-size -w --split --mesh --placements --layout-rules --layout-file --keep-layout --rank -r --finalize --include -i --exclude -x --dtype --framework --keep-replicas --jobs -j --max-memory --no-fsync --force --parents --dry-run --plan --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt consolidate') _hpckpt_words=(--output -o --format -f --include -i --exclude -x --dtype --max-shard-size --jobs -j --max-memory --no-fsync --force --parents --skip-unsupported --json --quiet -q --no-progress --debug --help -h) ;;
-        'hpckpt convert') _hpckpt_words=(--output -o --to -t --world-size -w --split --mesh --placements --layout-rules --layout-file --framework --names --dtype --include -i --exclude -x --max-shard-size --crc --jobs -j --max-memory --no-fsync --force --parents --skip-unsupported --dry-run --json --quiet -q --no-progress --debug --help -h) ;;
+        'hpckpt convert') _hpckpt_words=(--output -o --to -t --world-size -w --split --mesh --placements --layout-rules --layout-file --framework --names --dtype --include -i --exclude -x --max-shard-size --crc --jobs -j --max-memory --no-fsync --force --parents --skip-unsupported --keep-replicas --dry-run --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt convert-ms-torch') _hpckpt_words=(--output -o --to --to-format --name-rules --no-preset --dtype --include -i --exclude -x --crc --max-memory --no-fsync --force --parents --skip-unsupported --dry-run --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt env') _hpckpt_words=(--json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt completion') _hpckpt_words=(--help -h) ;;
@@ -49,6 +49,7 @@ _hpckpt_value() {
         'hpckpt diff --max-memory') _hpckpt_kind=none ;;
         'hpckpt checksum --jobs'|'hpckpt checksum -j') _hpckpt_kind=none ;;
         'hpckpt reshard --output'|'hpckpt reshard -o') _hpckpt_kind=file ;;
+        'hpckpt reshard --to'|'hpckpt reshard -t') _hpckpt_kind=choice _hpckpt_words=(hyperparallel hp torch-dcp mindformers mf) ;;
         'hpckpt reshard --world-size'|'hpckpt reshard -w') _hpckpt_kind=none ;;
         'hpckpt reshard --split') _hpckpt_kind=choice _hpckpt_words=(balanced ceil) ;;
         'hpckpt reshard --mesh') _hpckpt_kind=none ;;

@@ -15,7 +15,7 @@ from hpckpt.converters.hf_sharded import HfShardedReader, HfShardedWriter
 from hpckpt.converters.hf_torch_bin import HfTorchBinReader
 from hpckpt.converters.hyperparallel.reader import HyperParallelReader
 from hpckpt.converters.hyperparallel.writer import HyperParallelWriter
-from hpckpt.converters.mindformers import MindFormersReader, MindFormersWriter
+from hpckpt.converters.mindformers import MindFormersReader, MindFormersWriter, update_tracker
 from hpckpt.converters.mindspore_ckpt import MindSporeCkptReader, MindSporeCkptWriter
 from hpckpt.converters.safetensors_file import SafetensorsFileReader, SafetensorsWriter
 from hpckpt.converters.torch_dcp import TorchDcpReader, TorchDcpWriter
@@ -41,7 +41,8 @@ FORMATS: tuple[Format, ...] = (
     Format("torch-dcp", "PyTorch Distributed Checkpoint (.metadata + __{rank}_{i}.distcp)", (),
            TorchDcpReader(), TorchDcpWriter, "dir"),
     Format("mindformers", "MindFormers Checkpoint 2.0 (iteration_N/ with metadata.json, common.json, "
-           "*-model-/-opt-*.safetensors)", ("mf",), MindFormersReader(), MindFormersWriter, "dir"),
+           "*-model-/-opt-*.safetensors)", ("mf",), MindFormersReader(), MindFormersWriter, "dir",
+           every_replica=True, after_commit=update_tracker),
     Format("hf-sharded", "Hugging Face sharded safetensors (model.safetensors.index.json + shards)", ("hf",),
            HfShardedReader(), HfShardedWriter, "dir", whole_tensors=True),
     Format("hf-torch-bin", "Hugging Face torch weights (pytorch_model.bin.index.json + .bin shards; read only)", (),

@@ -38,7 +38,7 @@ these protocols and add its `Format` to `converters.FORMATS` (docs/architecture.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -93,6 +93,10 @@ class Format:
 
     `destination` is "dir" or "file"; `whole_tensors` formats store every tensor whole (one
     rank), so any plan given to them is a consolidation; `layouts` formats store any layout.
+    `every_replica`: the format can also store each replicated box once per rank holding it (the
+    others store a box once). `after_commit(dest)`, where set, runs once the output is committed
+    and returns `(paths written beside it, warnings)`: what a format keeps outside its checkpoint
+    directory (MindFormers' tracker file in the directory above).
     """
 
     name: str
@@ -103,3 +107,5 @@ class Format:
     destination: str = "dir"
     whole_tensors: bool = False
     extensions: tuple[str, ...] = ()
+    every_replica: bool = False
+    after_commit: Callable[[Path], tuple[tuple[str, ...], tuple[str, ...]]] | None = None

@@ -36,7 +36,9 @@ from hpckpt.core.geometry.box import Box
 from hpckpt.core.geometry.plan import Plan
 from hpckpt.core.index import CheckpointIndex, Chunk, TensorEntry, ValueEntry
 from hpckpt.core.io.output import Extent, FileLayout, Finished, OutputLayout, Placement
+from hpckpt.core.commit.replace import replace_file
 from hpckpt.core.safety import input_files
+from hpckpt.core.storage.object_path import is_object
 from hpckpt.core.storage.urls import lexists
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -342,6 +344,28 @@ def _slice_number(offsets: tuple[int, ...], grid: tuple[int, ...], local: tuple[
     for o, g, s in zip(offsets, grid, local):
         number = number * g + (o // s if s else 0)
     return number
+
+
+def update_tracker(dest) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """After an output named `iteration_{:08d}` is committed, point its root at it as MindFormers'
+    saver does last: `latest_checkpointed_iteration.txt` beside it, the bare number, replaced whole.
+    A tracker that already names a newer iteration is left as it is (said); another output name
+    has no root, and nothing is written. Returns `(paths written, warnings)`."""
+    found = ITERATION.fullmatch(dest.name)
+    if found is None:
+        return (), ()
+    number, tracker = int(found.group(1)), dest.parent / TRACKER
+    current = None
+    if lexists(tracker):
+        text = input_files.read_small(tracker, "iteration tracker", 64).decode("ascii", "replace").strip()
+        current = int(text) if text.isdigit() else None
+    if current is not None and current > number:
+        return (), (f"{tracker} names iteration {current}, newer than {dest.name}: left as it is",)
+    if is_object(tracker):
+        tracker.store.put(tracker.key, str(number).encode())
+    else:
+        replace_file(tracker, str(number).encode(), fsync=True, fsync_dir=True)
+    return (str(tracker),), ()
 
 
 def _json_value(value: Any) -> Any:

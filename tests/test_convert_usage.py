@@ -22,7 +22,7 @@ def run(*args) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("extra, says", [
     (["--to", "bogus"], "'bogus' is not one of 'hyperparallel', 'hp', 'torch-dcp'"),
-    (["--to", "pt", "--world-size", "2"], "layout options apply to hp and torch-dcp targets"),
+    (["--to", "pt", "--world-size", "2"], "layout options apply to hp, torch-dcp and mindformers targets"),
     (["--to", "hp", "--placements", "R"], "--placements goes with --mesh"),
     (["--to", "pt", "--names", "nosuchpreset"], "no preset or rules file 'nosuchpreset'"),
     (["--to", "pt", "--framework", "jax"], "'jax' is not one of 'torch', 'mindspore'"),

@@ -1,11 +1,5 @@
-"""HyperParallel metadata versions and incremental saves (format delta A2-A6).
-
-The chain is built as HyperParallel's "2.0" writer builds it (`FileSystemWriter(incremental_from=,
-changed_fqns=)`): the changed entries are written into the new step directory, every unchanged
-entry keeps its baseline `StorageInfo` with `relative_path` recomputed against the new directory
-(`../global_step_100/_rank0_.safetensors`, one hop however long the chain), `tensor_key` unset (that
-line keys tensors by name), `MetadataIndex.index` kept, and `Metadata.version = "2.0"`.
-"""
+"""HyperParallel metadata versions and incremental saves (format delta A2-A6), on chains built as
+HyperParallel's "2.0" writer builds them (`incremental_chain`)."""
 
 from __future__ import annotations
 
@@ -21,15 +15,13 @@ import pytest
 from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
+from incremental_chain import build_chain, expected, full, write
+
 from hpckpt.cli.app import app
-from hpckpt.converters.hyperparallel.from_memory import ChunkData, write_checkpoint
 from hpckpt.converters.hyperparallel.reader import _read_pickle
-from hpckpt.core import dtypes
 from hpckpt.core.codecs.hyperparallel_metadata import StorageInfo, dumps_metadata
-from hpckpt.core.geometry.box import Box
 
 runner = CliRunner()
-SHAPES = {"w": ((8, 4), np.float32), "b": ((4,), np.float32), "e": ((6, 2), np.int64)}
 
 
 def hpckpt(*args: str, code: int = 0) -> str:
@@ -38,61 +30,9 @@ def hpckpt(*args: str, code: int = 0) -> str:
     return result.output
 
 
-def full(step: int) -> dict[str, np.ndarray]:
-    return {name: (np.arange(np.prod(shape)).reshape(shape) * step).astype(dtype)
-            for name, (shape, dtype) in SHAPES.items()}
-
-
-def write(root: Path, arrays: dict[str, np.ndarray], step: int) -> None:
-    """A full 2-rank checkpoint of `arrays` (row-split, as FSDP does) and the value `step`."""
-    tensors = {}
-    for name, array in arrays.items():
-        dtype = dtypes.from_numpy(array.dtype)
-        if array.ndim == 1:  # replicated, stored once by rank 0
-            tensors[name] = (dtype, array.shape, [ChunkData(0, Box((0,), array.shape), array.tobytes())])
-            continue
-        half = array.shape[0] // 2
-        tensors[name] = (dtype, array.shape, [
-            ChunkData(r, Box((r * half, 0), (half, array.shape[1])), array[r * half:(r + 1) * half].tobytes())
-            for r in range(2)])
-    write_checkpoint(root, tensors, {"step": (0, step)})
-
-
-def incremental(parent: Path, name: str, baseline: str, changed: dict[str, np.ndarray], step: int) -> None:
-    """`parent/name`: the baseline's entries, those in `changed` (and the value `step`) written anew."""
-    scratch = parent / f".scratch-{name}"
-    write(scratch, changed, step)
-    base, new = _read_pickle(parent / baseline, ".metadata"), _read_pickle(scratch, ".metadata")
-    storage = {}
-    for key, info in base.storage_data.items():
-        if key.fqn in changed or key.fqn == "step":
-            continue
-        path = info.relative_path if info.relative_path.startswith("../") else f"../{baseline}/{info.relative_path}"
-        storage[key] = StorageInfo(path, info.offset, info.length, None)
-    for key, info in new.storage_data.items():
-        storage[key] = StorageInfo(info.relative_path, info.offset, info.length, None)
-    state = dict(base.state_dict_metadata)
-    state.update(new.state_dict_metadata)
-    (parent / name).mkdir()
-    for f in scratch.iterdir():
-        if f.name.startswith("_rank"):
-            f.rename(parent / name / f.name)
-    shutil.rmtree(scratch)
-    (parent / name / ".metadata").write_bytes(
-        dumps_metadata(replace(base, state_dict_metadata=state, storage_data=storage, version="2.0")))
-
-
 @pytest.fixture
 def chain(tmp_path: Path) -> Path:
-    """global_step_100 (full), _200 (w changed), _300 (b changed): _300 reads w from _200, e from _100."""
-    write(tmp_path / "global_step_100", full(100), 100)
-    incremental(tmp_path, "global_step_200", "global_step_100", {"w": full(200)["w"]}, 200)
-    incremental(tmp_path, "global_step_300", "global_step_200", {"b": full(300)["b"]}, 300)
-    return tmp_path
-
-
-def expected() -> dict[str, np.ndarray]:
-    return {"w": full(200)["w"], "b": full(300)["b"], "e": full(100)["e"]}
+    return build_chain(tmp_path)
 
 
 def test_an_incremental_chain_is_read_and_written_self_contained(chain, tmp_path):
@@ -195,3 +135,38 @@ def test_versions_are_labels(tmp_path, version, shown, warned):
     hpckpt("reshard", str(root), "-o", str(tmp_path / "out"), "--world-size", "1")
     written = _read_pickle(tmp_path / "out", ".metadata").__dict__.get("version")
     assert written == (version if version in ("1.0", "2.0") else "1.0")
+
+
+def read_as_the_2_0_line_does(root: Path) -> dict[str, np.ndarray]:
+    """HyperParallel's "2.0" loader, as far as it keys on anything (format delta A4.2-3): each
+    chunk's `StorageInfo` looked up by `(fqn, offset, index)` (`index`, the chunk's position, is
+    part of that line's `MetadataIndex` equality), and the tensor read from the file by its plain
+    name (that line ignores `tensor_key`)."""
+    from safetensors import safe_open
+
+    metadata = _read_pickle(root, ".metadata")
+    by_key = {(k.fqn, tuple(k.offset), k.index): info for k, info in metadata.storage_data.items()}
+    out = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if not hasattr(entry, "chunks"):
+            continue
+        parts = []
+        for i, chunk in enumerate(entry.chunks):
+            info = by_key[(fqn, tuple(chunk.offsets), i)]
+            with safe_open(str(root / info.relative_path), "np") as f:
+                parts.append((chunk, f.get_tensor(fqn)))
+        full = np.zeros(tuple(entry.size), parts[0][1].dtype)
+        for chunk, part in parts:
+            full[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))] = part
+        out[fqn] = full
+    return out
+
+
+def test_the_2_0_lines_loader_reads_hpckpts_output(chain, tmp_path):
+    """What hpckpt writes from a "2.0" source keeps "2.0" and is read by that line's lookups."""
+    hpckpt("reshard", str(chain / "global_step_300"), "-o", str(tmp_path / "out"), "--world-size", "3")
+    assert _read_pickle(tmp_path / "out", ".metadata").version == "2.0"
+    got = read_as_the_2_0_line_does(tmp_path / "out")
+    assert sorted(got) == sorted(expected())
+    for name, array in expected().items():
+        np.testing.assert_array_equal(got[name], array)

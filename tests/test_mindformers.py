@@ -149,3 +149,61 @@ def test_megatrons_metadata_json_is_not_taken_for_mindformers(tmp_path):
     (tmp_path / "common.pt").write_bytes(b"")
     assert MindFormersReader().sniff(tmp_path) is False
     assert MindFormersReader().sniff(FIXTURES / "sim2" / "iteration_00000005") is True
+
+
+def test_reshard_into_mindformers_with_every_replica_and_its_tracker(tmp_path):
+    """`reshard --to mindformers` writes any even layout, each chunk once or (`--keep-replicas`)
+    once per rank holding it as MindFormers does without remove-redundancy; an output named
+    `iteration_N` gets its root's tracker (never moved back to an older iteration); a fan-out's
+    finalize writes it too; other targets are refused as usage errors."""
+    source = FIXTURES / "sim2"
+    layout = ("--mesh", "2x2", "--placements", "R,S0")
+    root = tmp_path / "root"
+    root.mkdir()
+    hpckpt("reshard", str(source), "-o", str(root / "iteration_00000005"), "--to", "mf", *layout, "--keep-replicas")
+    iteration = root / "iteration_00000005"
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "5"
+    doc = json.loads((iteration / "metadata.json").read_text())
+    holders = {key: sorted(e["storage_rank"] for e in entries) for key, entries in doc["storage_data"].items()}
+    assert holders["('fc1.weight', (0,))"] == [0, 2] and holders["('fc1.weight', (1,))"] == [1, 3], holders
+    assert holders["('fc2.bias', (0,))"] == [0, 2], holders
+    for rank in range(4):  # every rank's file holds its whole local slice of every tensor
+        got = load_file(str(iteration / f"model-{rank:07d}-0000004.safetensors"))
+        assert sorted(got) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+        assert got["fc1.weight"].shape == (4, 4) and got["fc2.weight"].shape == (1, 8)
+    np.testing.assert_array_equal(load_file(str(iteration / "model-0000001-0000004.safetensors"))["fc1.weight"],
+                                  load_file(str(iteration / "model-0000003-0000004.safetensors"))["fc1.weight"])
+    # read back through the root (its tracker) and through the iteration: the source's values
+    for path in (root, iteration):
+        assert hpckpt("diff", str(path), str(source)).startswith("equal:")
+    assert json.loads(hpckpt("verify", str(root), "--json"))["ok"] is True
+    # each chunk once: the same values in half the bytes
+    hpckpt("reshard", str(source), "-o", str(root / "iteration_00000007"), "--to", "mf", *layout)
+    once = json.loads((root / "iteration_00000007" / "metadata.json").read_text())["storage_data"]
+    assert all(len(entries) == 1 for entries in once.values())
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "7"
+    assert hpckpt("diff", str(root), str(source)).startswith("equal:")
+    # an older iteration written later leaves the tracker on the newest, and says so
+    out = hpckpt("reshard", str(source), "-o", str(root / "iteration_00000006"), "--to", "mf", *layout, "--json")
+    assert "names iteration 7, newer than iteration_00000006: left as it is" in out, out
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "7"
+    # fanned out over two jobs: finalize writes the metadata, then the tracker
+    fan = tmp_path / "fan"
+    fan.mkdir()
+    for ranks in ("0-1", "2-3"):
+        hpckpt("reshard", str(source), "-o", str(fan / "iteration_00000009"), "--to", "mf", *layout,
+               "--keep-replicas", "--rank", ranks)
+    assert not (fan / "latest_checkpointed_iteration.txt").exists()
+    hpckpt("reshard", "--finalize", str(fan / "iteration_00000009"))
+    assert (fan / "latest_checkpointed_iteration.txt").read_text() == "9"
+    for name in ("metadata.json", "common.json", *(f"model-{r:07d}-0000004.safetensors" for r in range(4))):
+        assert (fan / "iteration_00000009" / name).read_bytes() == (iteration / name).read_bytes(), name
+    # the other layout format too
+    hpckpt("reshard", str(root), "-o", str(tmp_path / "dcp"), "--to", "torch-dcp", "--world-size", "2")
+    assert hpckpt("diff", str(tmp_path / "dcp"), str(source)).startswith("equal:")
+    # refused before anything is written: a whole-tensor target, replicas of a format that stores one
+    out = hpckpt("reshard", str(source), "-o", str(tmp_path / "x"), "--to", "safetensors", "--world-size", "2", code=2)
+    assert "Invalid value" in out or "safetensors" in out, out
+    out = hpckpt("reshard", str(source), "-o", str(tmp_path / "x"), "--world-size", "2", "--keep-replicas", code=2)
+    assert "--keep-replicas is for mindformers" in out, out
+    assert not (tmp_path / "x").exists()

@@ -23,12 +23,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 from typer.testing import CliRunner
 
 import s3_proxy
 import s3_server
 from _util import file_tree, normalized_tree, run_torchrun
+from incremental_chain import build_chain
+from incremental_chain import expected as chain_expected
 
 from hpckpt.cli.app import app
 from hpckpt.core.storage.object_store import forget_stores
@@ -265,6 +267,51 @@ def test_refusals_are_one_line_with_their_exit_code(server, tmp_path, monkeypatc
              "print(sorted(m for m in sys.modules if m.startswith(('obstore', 'hpckpt.core.storage.object_store'))))")
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr)
+
+
+def test_an_incremental_chain_in_a_store(server, tmp_path):
+    """An incremental save copied up as its producer wrote it: the `../global_step_N/` paths are
+    followed into the sibling prefixes (which must hold a checkpoint), the chain is shown, checked
+    and read; a path that leaves for a prefix that is no checkpoint stays exit 12."""
+    _endpoint, s3 = server
+    (tmp_path / "chain").mkdir()
+    build_chain(tmp_path / "chain")
+    s3_server.upload_tree(s3, tmp_path / "chain", BUCKET, "chain")
+    forget_stores()
+    step = url("chain/global_step_300")
+    doc = json.loads(hpckpt("inspect", step, "--json"))
+    assert doc["based_on"] == ["../global_step_100", "../global_step_200"]
+    assert all(f["bytes"] for f in doc["files"]), doc["files"]  # baseline objects found and sized
+    assert json.loads(hpckpt("verify", "--deep", step, "--json"))["ok"] is True
+    hpckpt("consolidate", step, "-o", str(tmp_path / "one.safetensors"))
+    got = load_file(str(tmp_path / "one.safetensors"))
+    for name, array in chain_expected().items():
+        np.testing.assert_array_equal(got[name], array)
+    hpckpt("reshard", step, "-o", url("chain-out"), "--world-size", "3")
+    assert json.loads(hpckpt("inspect", url("chain-out"), "--json"))["based_on"] == []
+    assert not any(k.startswith("..") for k in objects(s3, "chain-out"))
+    # into MindFormers' layout in the store: the iteration's objects, then its root's tracker
+    hpckpt("reshard", step, "-o", url("mf/iteration_00000003"), "--to", "mindformers", "--world-size", "2")
+    assert objects(s3, "mf")["latest_checkpointed_iteration.txt"] == b"3"
+    assert hpckpt("diff", url("mf"), str(tmp_path / "one.safetensors"), "--exclude", "step").startswith("equal:")
+    before = objects(s3, "chain/global_step_100")  # a write into a baseline: refused, --force or not
+    hpckpt("reshard", step, "-o", url("chain/global_step_100"), "--world-size", "1", "--force", code=16)
+    assert objects(s3, "chain/global_step_100") == before
+    # a baseline object damaged: verify names it
+    key = "chain/global_step_100/_rank1_.safetensors"
+    good = objects(s3, "chain/global_step_100")["_rank1_.safetensors"]
+    s3.put_object(Bucket=BUCKET, Key=key, Body=good[:-8])
+    forget_stores()
+    assert "global_step_100/_rank1_.safetensors" in hpckpt("verify", step, code=9)
+    s3.put_object(Bucket=BUCKET, Key=key, Body=good)
+    # a sibling prefix without a checkpoint in it is not a baseline
+    s3.copy_object(Bucket=BUCKET, Key="chain/plain/_rank0_.safetensors",
+                   CopySource={"Bucket": BUCKET, "Key": "chain/global_step_100/_rank0_.safetensors"})
+    s3.delete_object(Bucket=BUCKET, Key="chain/global_step_100/.metadata")
+    forget_stores()
+    out = hpckpt("consolidate", step, "-o", str(tmp_path / "x.safetensors"), code=12)
+    assert "leaves the checkpoint" in out, out
+    assert not (tmp_path / "x.safetensors").exists()
 
 
 def test_access_denied_leaves_nothing(tmp_path):

@@ -128,21 +128,31 @@ def _owners(boxes: list[RankBoxes], itemsizes: list[int], world_size: int) -> li
     return owners
 
 
-def _listed_rank_major(grid: RankBoxes, owner: np.ndarray) -> tuple[PlannedBox, ...]:
-    ndim = grid.offsets.shape[1]
-    order = np.lexsort(tuple(grid.offsets[:, d] for d in reversed(range(ndim))) + (owner,))
-    offsets, sizes, ranks = grid.offsets[order].tolist(), grid.sizes[order].tolist(), owner[order].tolist()
+def _every_holder(grid: RankBoxes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`(offsets, sizes, ranks)` with each box once per rank holding it (replicas stored by each)."""
+    total = int(grid.counts.sum())
+    box = np.repeat(np.arange(len(grid)), grid.counts)
+    within = np.arange(total) - np.repeat(np.cumsum(grid.counts) - grid.counts, grid.counts)
+    return grid.offsets[box], grid.sizes[box], grid.ranks[np.repeat(grid.starts, grid.counts) + within]
+
+
+def _listed_rank_major(offsets: np.ndarray, sizes: np.ndarray, owner: np.ndarray) -> tuple[PlannedBox, ...]:
+    ndim = offsets.shape[1]
+    order = np.lexsort(tuple(offsets[:, d] for d in reversed(range(ndim))) + (owner,))
+    offsets, sizes, ranks = offsets[order].tolist(), sizes[order].tolist(), owner[order].tolist()
     return tuple(PlannedBox(Box(tuple(o), tuple(s)), r, i) for i, (o, s, r) in enumerate(zip(offsets, sizes, ranks)))
 
 
 def make_plan(index: CheckpointIndex, layouts: TargetLayouts, world_size: int, *,
               names: Iterable[str] | None = None, ranks: Iterable[int] | None = None,
-              cast_to: DType | None = None, casts: Mapping[str, DType] | None = None) -> Plan:
+              cast_to: DType | None = None, casts: Mapping[str, DType] | None = None,
+              every_replica: bool = False) -> Plan:
     """Plan `index` onto `world_size` target ranks laid out by `layouts`.
 
     `names` restricts the tensors and values carried over (default: all, in the index's order);
     `ranks` restricts the ranks this run writes (fan-out). `cast_to` casts floating tensors,
-    `casts` (fqn -> dtype) single ones, over `cast_to`.
+    `casts` (fqn -> dtype) single ones, over `cast_to`. `every_replica` stores a replicated box
+    on every rank holding it instead of once (MindFormers without remove-redundancy).
 
     Raises:
         GeometryError: a target layout does not fit its tensor.
@@ -150,12 +160,16 @@ def make_plan(index: CheckpointIndex, layouts: TargetLayouts, world_size: int, *
     wanted = None if names is None else set(names)
     entries: list[TensorEntry] = [e for fqn, e in index.tensors.items() if wanted is None or fqn in wanted]
     grids = [rank_boxes(layouts.resolve(e.fqn, e.shape), e.shape) for e in entries]
-    owners = _owners(grids, [e.dtype.itemsize for e in entries], world_size)
+    if every_replica:
+        stored = [_every_holder(grid) for grid in grids]
+    else:
+        owners = _owners(grids, [e.dtype.itemsize for e in entries], world_size)
+        stored = [(grid.offsets, grid.sizes, owner) for grid, owner in zip(grids, owners)]
     casts = casts or {}
     tensors = tuple(
         PlannedTensor(e.fqn, tuple(e.shape), out_dtype(e.dtype, casts.get(e.fqn, cast_to)), e.dtype,
-                      _listed_rank_major(grid, owner))
-        for e, grid, owner in zip(entries, grids, owners))
+                      _listed_rank_major(*boxes))
+        for e, boxes in zip(entries, stored))
     values = tuple(PlannedValue(fqn) for fqn in index.values if wanted is None or fqn in wanted)
     kept = {t.fqn for t in tensors} | {v.fqn for v in values}
     nesting = {fqn: path for fqn, path in (index.planner_data or {}).items() if fqn in kept}

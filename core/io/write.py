@@ -101,7 +101,7 @@ def write_plan(plan: Plan, source: CheckpointIndex, writer, dest: Path, settings
     """
     dest = as_path(dest)
     for baseline in source.baselines:  # an incremental source reads the checkpoints it points into too
-        refuse_unsafe(dest, source.root / baseline)
+        refuse_unsafe(dest, (source.root / baseline).resolve())
     values = {v.fqn: source.decode_value(v.fqn) for v in plan.values}  # before anything is written
     layout = lay_out(plan, values, writer)
     progress = settings.progress

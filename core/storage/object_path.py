@@ -132,6 +132,9 @@ class ObjectPath:
     def is_dir(self) -> bool:
         return self.store.is_prefix(self.key)
 
+    def is_symlink(self) -> bool:
+        return False  # a store has no links: a key names its object
+
     def stat(self) -> ObjectStat:
         info = self.store.info(self.key) if self.key else None
         if info is None:
