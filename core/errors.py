@@ -7,6 +7,8 @@ lowest code among its findings.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 class HpckptError(Exception):
     """Base of every error hpckpt raises on purpose; `exit_code` is what the CLI exits with."""
@@ -343,3 +345,84 @@ ERROR_CLASSES: tuple[type[HpckptError], ...] = (
 )
 
 EXIT_CODE_BY_KIND: dict[str, int] = {cls.kind: cls.exit_code for cls in ERROR_CLASSES}
+
+
+@dataclass(frozen=True)
+class ExitCode:
+    """One row of the exit-code table: its code(s), the `kind` every `--json` error document
+    names, and what it means."""
+
+    codes: tuple[int, ...]
+    kind: str
+    meaning: str
+
+
+#: Every exit code any command returns: the one list. docs/safety.md's table is generated from it
+#: (`exit_code_table`), and tests/test_exit_codes.py checks that every code the code can return
+#: (each error class's, the CLI's own) is here.
+EXIT_CODES: tuple[ExitCode, ...] = (
+    ExitCode((0,), "", "success; `verify`: no error found; `diff`: the checkpoints are equal within the tolerances"),
+    ExitCode((1,), "internal", "a bug in hpckpt (please report it with `hpckpt env` and `--debug` output)"),
+    ExitCode((2,), "usage", "bad command-line usage"),
+    ExitCode((3,), "path-not-found", "the path does not exist"),
+    ExitCode((4,), "not-a-checkpoint",
+             "nothing there looks like a checkpoint (data files without metadata: an interrupted save)"),
+    ExitCode((5,), "unknown-format", "a checkpoint-like file of a format or dtype hpckpt does not read"),
+    ExitCode((6,), "corrupt-metadata", "metadata truncated, not a pickle, or missing required entries"),
+    ExitCode((7,), "unsafe-pickle", "a pickle names a global outside the allow-list; nothing from it ran"),
+    ExitCode((8,), "missing-file", "a data file named by the metadata is missing or unreadable"),
+    ExitCode((9,), "corrupt-data",
+             "a data file is truncated or malformed (safetensors header, zip record, byte range), or (`verify "
+             "--deep`) its bytes differ from its manifest's digests"),
+    ExitCode((10,), "entry-mismatch",
+             "a tensor key is missing from its file, or its dtype or shape differ from the metadata"),
+    ExitCode((11,), "geometry", "a chunk lies outside its tensor, or chunks leave gaps or overlap"),
+    ExitCode((12,), "unsafe-path",
+             "a relative path in the metadata leaves the checkpoint directory (other than into a checkpoint beside"
+             " it, which HyperParallel's incremental saves point into)"),
+    ExitCode((13,), "interrupted-save", "files of a save that did not finish are present"),
+    ExitCode((14,), "destination-exists", "the destination exists (commands that write; `--force` overrides)"),
+    ExitCode((15,), "dtype-not-supported",
+             "a tensor's dtype cannot be held by the target format (or read from the source); nothing was written"),
+    ExitCode((16,), "unsafe-destination",
+             "the destination is the source, lies inside it or contains it (`--force` or not), or `--force` would "
+             "replace something that is neither a checkpoint nor an hpckpt output nor an empty directory"),
+    ExitCode((17,), "destination-locked",
+             "another hpckpt run is writing the same destination (the message names its pid)"),
+    ExitCode((18,), "no-space",
+             "the destination's disk is full or over quota (for an object store: its local spool, "
+             "`HPCKPT_SPOOL_DIR`), checked before writing and during it; nothing was left behind"),
+    ExitCode((19,), "write-failed",
+             "the system refused another write (permission denied, read-only file system, I/O error); nothing was "
+             "left behind"),
+    ExitCode((20,), "coordination-timeout",
+             "`hpckpt.dist`: some ranks of a storage-coordinated save did not arrive within the wait (the message "
+             "names them); nothing was committed"),
+    ExitCode((21,), "save-failed",
+             "`hpckpt.dist`: another rank of the save failed (named in the message); nothing was committed"),
+    ExitCode((22,), "job-failed",
+             "`hpckpt run`: a rank of the launched job failed; the message names the rank, its error line and its "
+             "log"),
+    ExitCode((23,), "check-failed",
+             "`hpckpt run load --check`: a loaded box or value differs from an independent read of the checkpoint"),
+    ExitCode((24,), "launcher-not-found",
+             "`hpckpt run`: torchrun or msrun is not installed in this environment (nor on PATH)"),
+    ExitCode((25,), "differ", "`diff`: the checkpoints differ beyond the tolerances (the report says where)"),
+    ExitCode((26,), "extra-not-installed",
+             "a URL (`s3://`, `gs://`, `az://`) was given, but the object-store client is not installed: `pip "
+             "install 'hpckpt[s3]'`"),
+    ExitCode((27,), "storage",
+             "the object store refused or did not answer: no such bucket, access denied, bad credentials, an "
+             "endpoint that does not answer, errors that outlasted the retries; nothing was left that looks like a"
+             " checkpoint"),
+    ExitCode((129, 130, 143), "interrupted",
+             "SIGHUP, Ctrl-C (SIGINT), SIGTERM (128 + the signal's number, as the shell reports it); the staging "
+             "data is removed first"),
+)
+
+
+def exit_code_table() -> str:
+    """EXIT_CODES as the Markdown table the docs carry."""
+    rows = ["| code | kind | meaning |", "|---|---|---|"]
+    rows += [f"| {', '.join(map(str, e.codes))} | {e.kind} | {e.meaning} |" for e in EXIT_CODES]
+    return "\n".join(rows) + "\n"
