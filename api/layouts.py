@@ -137,6 +137,13 @@ def check_layout_options(world_size, mesh, placements, rules, layout_files, keep
                          "--layout-rules), --layout-rules with a mesh inside, or --layout-file")
     if mesh and rules is None and not placements:
         raise ValueError("--mesh needs --placements (or --layout-rules)")
+    if mesh and placements:
+        from hpckpt.core.geometry.layout import parse_mesh, parse_placements
+
+        dims, given = len(parse_mesh(mesh).shape), len(parse_placements(placements))
+        if dims != given:
+            raise ValueError(f"--placements gives {given} placement(s) for the {dims}-D mesh {mesh}: one per mesh "
+                             "dimension, e.g. --mesh 2x4 --placements R,S0")
 
 
 def layout_spec(src: CheckpointIndex | str | Path, world_size: int | None, split: str, mesh: str | None,

@@ -104,6 +104,13 @@ def warn(message: str) -> None:
     sys.stderr.flush()
 
 
+def note(text: str) -> None:
+    """An informational line on stderr (where a run keeps its logs, ...); --quiet leaves it out."""
+    if not quiet():
+        sys.stderr.write(f"{printable(text)}\n")
+        sys.stderr.flush()
+
+
 def result_line(text: str) -> None:
     """A writing command's one-line summary on stdout; --quiet leaves it out (the exit code says)."""
     if not quiet():

@@ -32,7 +32,16 @@ from hpckpt.cli import _output
 from hpckpt.cli._errors import UsageErrors
 from hpckpt.cli._options import ShellName, fold_deprecated
 
+class _RootGroup(typer.core.TyperGroup):
+    """The root group, keeping the command line it parsed (`_json_after` reads it)."""
+
+    def parse_args(self, ctx, args):
+        ctx.meta["hpckpt.args"] = list(args)
+        return super().parse_args(ctx, args)
+
+
 app = typer.Typer(
+    cls=_RootGroup,
     name="hpckpt",
     help="Inspect, verify, reshard, convert and consolidate distributed training checkpoints.",
     no_args_is_help=True,
@@ -62,6 +71,8 @@ def root(
     ),
 ) -> None:
     """hpckpt: one engine for HyperParallel DCP, PyTorch DCP, MindSpore and safetensors checkpoints."""
+    # `--json` anywhere on the line asks for JSON, also when the command's own options fail to parse
+    json_output = json_output or _json_after(ctx)
     _output.reset(ctx.invoked_subcommand, json=json_output, quiet=quiet, no_progress=no_progress, debug=debug)
     ctx.with_resource(UsageErrors())
 
@@ -89,14 +100,22 @@ def completion(shell: ShellName = typer.Argument(..., help="The shell to complet
 _ROOT_FLAGS = {"--debug", "--json", "--quiet", "-q", "--no-progress"}
 
 
+def _json_after(ctx: typer.Context) -> bool:
+    """`--json` among the arguments after the command name (not after a `--`)."""
+    line = ctx.meta.get("hpckpt.args", [])
+    return "--json" in (line[:line.index("--")] if "--" in line else line)
+
+
 def _command_problem(argv: list[str]) -> str | None:
     """What is wrong with the command named on the line (none given, or no such command), or
     None. click reports these before any hpckpt code runs (so `--json` could not answer them):
     they are found here first and said like every other usage error."""
     names = [c.name for c in app.registered_commands] + [g.name for g in app.registered_groups]
     for arg in argv:
-        if arg in ("-h", "--help", "--version") or (arg.startswith("-") and arg not in _ROOT_FLAGS):
-            return None  # help, version, or an option click itself will judge
+        if arg in ("-h", "--help", "--version"):
+            return None
+        if arg.startswith("-") and arg not in _ROOT_FLAGS:  # (the options before the command are flags)
+            return f"no such option {arg!r} before the command (there: {', '.join(sorted(_ROOT_FLAGS))})"
         if not arg.startswith("-"):
             return None if arg in names else f"no such command {arg!r} (commands: {', '.join(names)})"
     return f"missing command (commands: {', '.join(names)})" if argv else None

@@ -194,7 +194,7 @@ complete -c hpckpt -n '__fish_seen_subcommand_from run; and not __fish_seen_subc
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and not __fish_seen_subcommand_from selftest save load reshard bench' -l node-rank -x -d 'This node\'s rank, 0..nnodes-1.'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and not __fish_seen_subcommand_from selftest save load reshard bench' -l master-addr -x -d 'Address of node 0 (multi-node).'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and not __fish_seen_subcommand_from selftest save load reshard bench' -l master-port -x -d 'A free port on node 0 (multi-node).'
-complete -c hpckpt -n '__fish_seen_subcommand_from run; and not __fish_seen_subcommand_from selftest save load reshard bench' -l log-dir -r -F -d 'Where the ranks\' logs and reports go (default: a new directory under the temp dir).'
+complete -c hpckpt -n '__fish_seen_subcommand_from run; and not __fish_seen_subcommand_from selftest save load reshard bench' -l log-dir -r -F -d 'Where the ranks\' logs and reports go (default: a new JOB-TIME-PID/ under $HPCKPT_LOG_DIR, else under TMPDIR/hpckpt-runs/).'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and not __fish_seen_subcommand_from selftest save load reshard bench' -l dry-run -d 'Print the launcher\'s command line; launch nothing.'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and not __fish_seen_subcommand_from selftest save load reshard bench' -l help -s h -d 'Show this message and exit.'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and not __fish_seen_subcommand_from selftest save load reshard bench' -a selftest -d 'Check the launcher set-up: every rank gathers every rank\'s host and pid, and reports.'

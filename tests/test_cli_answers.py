@@ -241,7 +241,11 @@ def test_an_error_in_json_mode_is_one_document_and_one_error_line(tmp_path):
 @pytest.mark.parametrize("args", [["consolidate", TINY, "-o", "x", "--format", "onnx", "--json"],
                                   ["--json", "consolidate", TINY, "-o", "x", "--format", "onnx"],
                                   ["reshard", TINY, "-o", "x", "--json"],  # no target: raised by the command
-                                  ["inspect", "--json"]])  # a missing argument
+                                  ["inspect", "--json"],  # a missing argument
+                                  ["inspect", "--json", "--bogus", TINY],  # the option that fails after --json
+                                  ["inspect", "--bogus", TINY, "--json"],
+                                  ["run", "save", "--bogus", "--json"],
+                                  ["reshard", TINY, "-o", "x", "--mesh", "2x2", "--placements", "R", "--json"]])
 def test_a_usage_error_in_json_mode_is_one_document(tmp_path, args):
     result = cli(*args)
     assert result.exit_code == 2, result.stderr
@@ -389,7 +393,8 @@ def test_a_wrong_setting_in_the_environment_is_a_usage_error_of_every_command(se
     assert result.stderr.count("error:") == 1 and setting[0] in result.stderr and "internal" not in result.stderr
 
 
-@pytest.mark.parametrize("argv", [["--json", "frobnicate"], ["--json"], ["--quiet", "--json", "nope", "x"]])
+@pytest.mark.parametrize("argv", [["--json", "frobnicate"], ["--json"], ["--quiet", "--json", "nope", "x"],
+                                  ["--json", "--bogus", "inspect", "x"]])
 def test_an_unknown_or_missing_command_is_one_error_line_and_in_json_a_document(argv):
     import subprocess
     import sys

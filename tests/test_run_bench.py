@@ -38,6 +38,8 @@ def run_bench(tmp_path: Path, launcher: str, timeout: float) -> tuple[dict, Path
 
 
 def check_report(document: dict, native: str, *, fsynced: bool) -> None:
+    assert list(document)[:7] == ["schema", "hpckpt_version", "command", "ok", "written", "skipped", "warnings"]
+    assert document["command"] == "run" and document["ok"] is True
     assert document["job"] == "bench" and document["world_size"] == 2
     ranks = document["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
@@ -51,7 +53,7 @@ def check_report(document: dict, native: str, *, fsynced: bool) -> None:
                 m = r[f"{who}_{kind}"]
                 assert 0 < m["seconds_best"] <= m["seconds_median"], (who, kind, m)
                 assert m["rank_seconds_best"] <= m["seconds_best"] + 1e-3  # the job's time is the slowest rank's
-                assert m["gb_per_s"] > 0 and len(m["rounds"]) == 1
+                assert m["gib_per_s"] > 0 and len(m["rounds"]) == 1
                 assert 0 < m["peak_rss"] <= m["job_peak_rss"] and m["peak_rss_extra"] >= 0
                 # the same job figure on every rank
                 assert m["seconds_best"] == ranks[0][f"{who}_{kind}"]["seconds_best"]

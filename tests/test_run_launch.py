@@ -303,10 +303,12 @@ def test_a_rank_that_died_without_a_report_is_named_from_the_launcher(tmp_path):
         f"the launcher exited with exit code 2 before any rank reported (log: {log})")
 
 
-def test_run_dir_default_is_new_under_the_temp_dir():
-    run_dir = launch_plan.default_run_dir()
-    assert run_dir.parent == Path(os.environ.get("TMPDIR", "/tmp")) and run_dir.name.startswith("hpckpt-run-")
+def test_run_dir_default_is_new_under_one_documented_directory(monkeypatch, tmp_path):
+    run_dir = launch_plan.default_run_dir("save")
+    assert run_dir.parent == Path(os.environ.get("TMPDIR", "/tmp")) / "hpckpt-runs" and run_dir.name.startswith("save-")
     assert run_dir.name.endswith(f"-{os.getpid()}") and not run_dir.exists()
+    monkeypatch.setenv("HPCKPT_LOG_DIR", str(tmp_path))
+    assert launch_plan.default_run_dir("load").parent == tmp_path
 
 
 def test_terminal_progress_sums_the_ranks_and_shows_rank_0_s_phase(tmp_path):

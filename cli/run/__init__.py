@@ -46,7 +46,8 @@ def run(
     master_port: Annotated[Optional[int], typer.Option("--master-port", min=1, max=65535,
                                                        help="A free port on node 0 (multi-node).")] = None,
     log_dir: Annotated[Optional[Path], typer.Option(
-        "--log-dir", help="Where the ranks' logs and reports go (default: a new directory under the temp dir).")] = None,
+        "--log-dir", help="Where the ranks' logs and reports go (default: a new JOB-TIME-PID/ under "
+        "$HPCKPT_LOG_DIR, else under TMPDIR/hpckpt-runs/).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the launcher's command line; launch nothing.")] = False,
 ) -> None:
     """Run a distributed job under torchrun or msrun; a failure on any rank stops the job."""

@@ -19,7 +19,7 @@ def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
     last column is the framework's figure over hpckpt's (time; blocked time for async saves)."""
     first = results[0]
     native = NATIVE[first["framework"]]
-    columns = ["measurement", "fsync", "best s", "median s", "GB/s", "blocked s", "read x", "job read",
+    columns = ["measurement", "fsync", "best s", "median s", "GiB/s", "blocked s", "read x", "job read",
                "peak RSS", "RSS added", "vs hpckpt"]
     rows = []
     for kind in KINDS:
@@ -33,7 +33,7 @@ def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
             rows.append([f"{LABELS[who]} {kind.replace('_', ' ')}",
                          "" if "fsync" not in m else ("yes" if m["fsync"] else "no"),
                          f"{m['seconds_best']:.3f}", f"{m['seconds_median']:.3f}",
-                         "" if m.get("gb_per_s") is None else f"{m['gb_per_s']:.2f}",
+                         "" if m.get("gib_per_s") is None else f"{m['gib_per_s']:.2f}",
                          f"{m['blocked_best']:.3f}" if "blocked_best" in m else "",
                          f"{m['read_amplification']:.2f}" if "read_amplification" in m else "",
                          _gib(m.get("job_bytes_read")), _gib(m["job_peak_rss"]), _gib(m["job_peak_rss_extra"]), ratio])

@@ -45,9 +45,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def default_run_dir() -> Path:
+#: Where `hpckpt run` keeps each job's logs and reports unless `--log-dir` says: one directory for
+#: all runs, each run a new `JOB-STAMP-PID/` in it.
+LOG_ROOT_VARIABLE = "HPCKPT_LOG_DIR"
+
+
+def log_root() -> Path:
+    """`$HPCKPT_LOG_DIR`, else `hpckpt-runs/` under the temp directory."""
+    return Path(os.environ.get(LOG_ROOT_VARIABLE) or Path(tempfile.gettempdir()) / "hpckpt-runs")
+
+
+def default_run_dir(job: str = "run") -> Path:
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    return Path(tempfile.gettempdir()) / f"hpckpt-run-{stamp}-{os.getpid()}"
+    return log_root() / f"{job}-{stamp}-{os.getpid()}"
 
 
 @dataclass

@@ -8,8 +8,8 @@ from hpckpt.cli._tables import write_table
 from hpckpt.cli.run.report import IDENTITY_FIELDS
 
 COLUMNS = {  # the figures a job's table shows, in order (every figure is in --json)
-    "save": ["bytes_written", "seconds", "blocked_seconds", "planning_seconds", "plan_cache", "job_gb_per_s", "peak_rss"],
-    "load": ["bytes_read", "bytes_broadcast", "seconds", "job_read_amplification", "job_gb_per_s", "checked_boxes",
+    "save": ["bytes_written", "seconds", "blocked_seconds", "planning_seconds", "plan_cache", "job_gib_per_s", "peak_rss"],
+    "load": ["bytes_read", "bytes_broadcast", "seconds", "job_read_amplification", "job_gib_per_s", "checked_boxes",
              "peak_rss"],
     "reshard": ["target_ranks", "bytes_written", "bytes_read", "files", "seconds"],
 }

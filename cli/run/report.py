@@ -32,13 +32,18 @@ def totals(results: list[dict]) -> dict[str, float]:
 
 
 def report(plan: LaunchPlan, run: job_files.RunFiles) -> dict:
-    """The `--json` document of a job that succeeded: this node's ranks, and their totals."""
+    """The `--json` document of a job that succeeded: the fields every document starts with
+    (`written`: what a save or reshard wrote), this node's ranks, and their totals."""
+    from hpckpt.api.reports import envelope
+
     results = []
     for rank, files in run.ranks.items():
         result = files.result if isinstance(files.result, dict) else {"value": files.result}
         results.append({"rank": rank, **{k: v for k, v in result.items() if k != "rank"}})
-    return {"job": plan.spec["job"], "launcher": plan.launcher, "world_size": plan.world_size, "nodes": plan.nnodes,
-            "ranks": results, "totals": totals(results), "log_dir": str(plan.run_dir)}
+    written = [str(plan.spec["out"])] if plan.spec["job"] in ("save", "reshard") and plan.spec.get("out") else []
+    return {**envelope("run", written=written), "job": plan.spec["job"], "launcher": plan.launcher,
+            "world_size": plan.world_size, "nodes": plan.nnodes, "ranks": results, "totals": totals(results),
+            "log_dir": str(plan.run_dir)}
 
 
 def unreported(plan: LaunchPlan, run: job_files.RunFiles) -> list[int]:

@@ -24,7 +24,7 @@ def start(ctx: typer.Context, spec: dict) -> None:
     o = ctx.obj
     if not o["dry_run"]:
         checks.paths(spec)
-    run_dir = Path(o["log_dir"]).expanduser().absolute() if o["log_dir"] else launch_plan.default_run_dir()
+    run_dir = Path(o["log_dir"]).expanduser().absolute() if o["log_dir"] else launch_plan.default_run_dir(spec["job"])
     port = o["master_port"]
     if port is None and o["launcher"] == "msrun":
         port = launch_plan.free_port()  # msrun has no standalone mode: a local scheduler on a free port
@@ -38,6 +38,7 @@ def start(ctx: typer.Context, spec: dict) -> None:
         print(plan.display())
         return
     plan.launcher_path = launch_plan.find_launcher(plan.launcher)
+    _output.note(f"logs: {run_dir}")
     with JobProgress(f"{spec['job']} ({plan.world_size} ranks)") as progress:
         outcome = supervise.launch(plan, progress.show)
     if not outcome.ok:

@@ -13,7 +13,7 @@ def summary(kind: str, mine: list[dict], job: list[list[dict]], job_state_bytes:
     seconds = [max(p["seconds"] for p in ranks) for ranks in job]
     best = min(seconds)
     out = {"seconds_best": round(best, 4), "seconds_median": round(statistics.median(seconds), 4),
-           "gb_per_s": round(job_state_bytes / best / 1e9, 3) if best else None,
+           "gib_per_s": round(job_state_bytes / best / 2**30, 3) if best else None,
            "rounds": [round(s, 4) for s in seconds], "rank_seconds_best": round(min(m["seconds"] for m in mine), 4),
            "peak_rss": max(m["peak_rss"] for m in mine), "peak_rss_extra": max(m["peak_rss_extra"] for m in mine),
            "job_peak_rss": max(p["peak_rss"] for ranks in job for p in ranks),

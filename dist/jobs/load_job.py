@@ -89,7 +89,7 @@ def run(spec: dict, ctx) -> dict:
                "job_bytes_read": result.job_bytes_read, "job_bytes_wanted": result.job_bytes_wanted,
                "job_read_amplification": round(result.read_amplification, 4), "seconds": round(result.seconds, 4),
                "job_seconds": round(job_seconds, 4),
-               "job_gb_per_s": round(result.job_bytes_wanted / job_seconds / 1e9, 3) if job_seconds else None,
+               "job_gib_per_s": round(result.job_bytes_wanted / job_seconds / 2**30, 3) if job_seconds else None,
                "missing": list(result.missing), "converted": [list(c) for c in result.converted]}
     if spec.get("check"):
         ctx.phase("checking every loaded box")

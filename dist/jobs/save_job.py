@@ -83,5 +83,5 @@ def run(spec: dict, ctx) -> dict:
             "blocked_seconds": round(blocked, 4), "planning_seconds": round(result.planning, 4),
             "writing_seconds": round(result.writing, 4), "plan_cache": result.plan_cache,
             "coordination": result.coordination, "job_seconds": round(job_seconds, 4),
-            "job_gb_per_s": round(result.job_bytes_written / job_seconds / 1e9, 3) if job_seconds else None,
+            "job_gib_per_s": round(result.job_bytes_written / job_seconds / 2**30, 3) if job_seconds else None,
             "peak_rss": peak_rss(), **made}
