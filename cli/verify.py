@@ -22,12 +22,15 @@ def verify(
                              "with any is a warning)."),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1,
                                        help="--deep/--nan: threads reading (default: cores, at most 8)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Every problem of a damaged file, not only its "
+                                 "first (--json lists them always, as `details`)."),
 ) -> None:
     """Check files, safetensors headers, keys, dtypes, shapes, chunk coverage and values.
 
-    Exits 0 when the checkpoint is sound, else with the lowest exit code among the problems found
-    (the codes are listed in the README). --deep: bytes that differ from the manifest's digests,
-    or chunks that cannot be read, are corrupt data (9).
+    One line per damaged file (what, where, expected vs found). Exits 0 when the checkpoint is
+    sound, else with the lowest exit code among the problems found (docs/safety.md lists them).
+    --deep: bytes that differ from the manifest's digests, or chunks that cannot be read, are
+    corrupt data (9).
     """
     from hpckpt import api
     from hpckpt.cli import _output
@@ -39,11 +42,11 @@ def verify(
     if _output.json_mode():
         _output.emit_json(report)
     else:
-        render(report)
+        render(report, verbose)
     raise typer.Exit(report["exit_code"])
 
 
-def render(report: dict) -> None:
+def render(report: dict, verbose: bool = False) -> None:
     import sys
 
     from rich.markup import escape
@@ -66,6 +69,8 @@ def render(report: dict) -> None:
         style = "red" if finding["severity"] == "error" else "yellow"
         console.print(f"[{style}]{finding['severity']}[/{style}] {escape('[' + finding['kind'] + ']')} {escape(printable(finding['message']))}",
                       soft_wrap=True)
+        for detail in finding.get("details") or () if verbose else ():
+            console.print(f"  {escape(printable(detail))}", soft_wrap=True)
     errors = sum(1 for f in report["findings"] if f["severity"] == "error")
     warnings = len(report["findings"]) - errors
     if report["ok"]:

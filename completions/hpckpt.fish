@@ -40,6 +40,7 @@ complete -c hpckpt -n '__fish_seen_subcommand_from verify' -l strict -d 'Treat w
 complete -c hpckpt -n '__fish_seen_subcommand_from verify' -l deep -d 'Read every byte: against the manifest\'s digests when there is one, else every chunk through its format\'s reader.'
 complete -c hpckpt -n '__fish_seen_subcommand_from verify' -l nan -d 'Count NaN and Inf per floating tensor (reads the data; a tensor with any is a warning).'
 complete -c hpckpt -n '__fish_seen_subcommand_from verify' -l jobs -s j -x -d '--deep/--nan: threads reading (default: cores, at most 8).'
+complete -c hpckpt -n '__fish_seen_subcommand_from verify' -l verbose -s v -d 'Every problem of a damaged file, not only its first (--json lists them always, as `details`).'
 complete -c hpckpt -n '__fish_seen_subcommand_from verify' -l json -d 'Print one JSON document (also before the command).'
 complete -c hpckpt -n '__fish_seen_subcommand_from verify' -l quiet -s q -d 'No progress and no informational lines; warnings about lost data are still printed.'
 complete -c hpckpt -n '__fish_seen_subcommand_from verify' -l no-progress -d 'No progress display on stderr.'

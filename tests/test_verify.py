@@ -88,7 +88,7 @@ def check_schema(report: dict, path: Path) -> None:
     assert list(report["checked"]) == ["tensors", "chunks", "values", "files"]
     assert all(isinstance(v, int) and v >= 0 for v in report["checked"].values())
     for finding in report["findings"]:
-        assert list(finding) == ["kind", "severity", "message", "fqn", "file", "boxes"]
+        assert list(finding) == ["kind", "severity", "message", "fqn", "file", "boxes", "details"]
         assert finding["kind"] in EXIT_CODE_BY_KIND
         assert finding["severity"] in ("error", "warning")
         assert isinstance(finding["message"], str) and finding["message"]
@@ -376,3 +376,34 @@ def test_several_problems_human_report_lists_each(tmp_path):
     for text in ("_rank9_.safetensors", "wrong_dtype", "[2:3, 0:4]", "../elsewhere", "STORAGE_DATA_1.pkl",
                  "LOCAL_PLAN_0.pkl"):
         assert text in result.stdout, text
+
+
+def test_one_line_per_damaged_file_with_its_size_details_behind_verbose(tmp_path):
+    """A truncated file is one line saying how short it is (not a line per tensor or value in it);
+    `--verbose` and `--json` (`details`) list each problem."""
+    root = copy_fixture("m0-torch-4rank", tmp_path / "c")
+    tensors, values = root / "_rank1_.safetensors", root / "_rank1_.bytes"
+    size, value_size = tensors.stat().st_size, values.stat().st_size
+    tensors.write_bytes(tensors.read_bytes()[:-100])
+    values.write_bytes(values.read_bytes()[:30])
+    result = runner.invoke(app, ["verify", str(root)], env={"COLUMNS": "250"})
+    assert result.exit_code == 9, result.output
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error")]
+    assert len(errors) == 2, result.stdout
+    assert f"_rank1_.safetensors: truncated: {size - 100} of {size} bytes (the header places 3 tensor(s)" in errors[0]
+    assert f"_rank1_.bytes: truncated: 30 of {value_size} bytes" in errors[1]
+    code, report = verify(root)
+    check_schema(report, root)
+    assert [f["file"] for f in report["findings"]] == ["_rank1_.safetensors", "_rank1_.bytes"]
+    # a file with several problems of other kinds: one line naming the count, each behind --verbose
+    tensors.write_bytes(copy_fixture("m0-torch-4rank", tmp_path / "d").joinpath("_rank1_.safetensors").read_bytes())
+    values.write_bytes((tmp_path / "d" / "_rank1_.bytes").read_bytes())
+    keys = safetensors_keys(tensors)[:2]
+    edit_header(tensors, lambda h: [h[k].update(dtype="F16") for k in keys])
+    result = runner.invoke(app, ["verify", str(root)], env={"COLUMNS": "250"})
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "more problem(s) in this file)" in errors[0], result.stdout
+    verbose = runner.invoke(app, ["verify", "--verbose", str(root)], env={"COLUMNS": "250"}).stdout
+    assert all(repr(k) in verbose for k in keys), verbose
+    _, report = verify(root)
+    assert len(report["findings"]) == 1 and len(report["findings"][0]["details"]) >= 2

@@ -107,6 +107,7 @@ def _parse_entries(header: SafetensorsHeader, doc: dict) -> list[TensorInfo]:
     count in the layout check)."""
     buffer_size = header.file_size - header.data_start
     spans: list[TensorInfo] = []
+    past_end: list[tuple[int, str]] = []  # (end, key) of entries whose bytes the file does not reach
     for key, spec in doc.items():
         if key == "__metadata__":
             if not isinstance(spec, dict) or not all(isinstance(v, str) for v in spec.values()):
@@ -135,11 +136,11 @@ def _parse_entries(header: SafetensorsHeader, doc: dict) -> list[TensorInfo]:
                 f"but {dtype.safetensors}{list(shape)} needs {expected}"
             )
             continue
-        if begin < 0 or end > buffer_size:
-            header.problems.append(
-                f"tensor {key!r}: data_offsets [{begin}, {end}] lie outside the data buffer "
-                f"({buffer_size} bytes): truncated file?"
-            )
+        if begin < 0:
+            header.problems.append(f"tensor {key!r}: data_offsets [{begin}, {end}] start before the data buffer")
+            continue
+        if end > buffer_size:
+            past_end.append((end, key))
             continue
         shape, why = _element_shape(dtype, shape)
         info = TensorInfo(key, dtype, shape, header.data_start + begin, header.data_start + end)
@@ -148,6 +149,10 @@ def _parse_entries(header: SafetensorsHeader, doc: dict) -> list[TensorInfo]:
             spans.append(info)
         else:
             header.entries[key] = info
+    if past_end:  # one problem for the file, what it is and what it should be, not one per tensor
+        end, key = max(past_end)
+        header.problems.insert(0, f"truncated: {header.file_size} of {header.data_start + end} bytes (the header "
+                                  f"places {len(past_end)} tensor(s) past the end, the last {key!r})")
     return spans
 
 

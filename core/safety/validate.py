@@ -37,6 +37,7 @@ class Finding:
     fqn: str | None = None
     file: str | None = None
     boxes: tuple[str, ...] = ()
+    details: tuple[str, ...] = ()  # every problem of a file whose finding names the first
 
     @property
     def exit_code(self) -> int:
@@ -65,6 +66,7 @@ def validate(index: CheckpointIndex) -> list[Finding]:
         _check_tensor(index, entry, bad_files, findings, checksums)
     findings.extend(_check_checksums(checksums))
     noted = len(index.warnings)
+    bad_files |= _check_value_files(index, bad_files, findings)
     for fqn, value in index.values.items():
         if value.file in bad_files:
             continue
@@ -75,7 +77,54 @@ def validate(index: CheckpointIndex) -> list[Finding]:
     # what reading the values made the reader warn of (a value that is no pickle, read as bytes)
     findings.extend(Finding("corrupt-data", "warning", note) for note in index.warnings[noted:])
     findings.extend(_leftovers(index.root))
-    return findings
+    return _one_per_file(findings)
+
+
+#: Kinds of finding about a file's bytes: several about one file are said as one line.
+_FILE_KINDS = ("corrupt-data", "missing-file", "entry-mismatch")
+
+
+def _one_per_file(findings: list[Finding]) -> list[Finding]:
+    """Several errors of one kind about one file (a damaged file breaks every entry in it) become
+    one finding: a truncation if one was found (it says what the others are), else the first,
+    with the count, and all of them as `details`."""
+    groups: dict[tuple[str, str], list[Finding]] = {}
+    for f in findings:
+        if f.file is not None and f.severity == "error" and f.kind in _FILE_KINDS:
+            groups.setdefault((f.file, f.kind), []).append(f)
+    out, said = [], set()
+    for f in findings:
+        group = groups.get((f.file, f.kind)) if f.severity == "error" else None
+        if group is None or len(group) == 1:
+            out.append(f)
+        elif id(group) not in said:
+            said.add(id(group))
+            details = tuple(d for g in group for d in (g.details or (g.message,)))
+            head = next((g for g in group if ": truncated: " in g.message), f)
+            out.append(Finding(f.kind, "error", f"{head.message} (and {len(details) - 1} more problem(s) in this file)",
+                               file=f.file, details=details))
+    return out
+
+
+def _check_value_files(index: CheckpointIndex, bad_files: set[str], findings: list[Finding]) -> set[str]:
+    """A file of values shorter than the values it holds is one finding (its size against the
+    end of its last value), not one per value; returns those files."""
+    ends: dict[str, tuple[int, int]] = {}  # file -> (end of its last value, values)
+    for value in index.values.values():
+        if value.file not in bad_files and value.length is not None:
+            end, count = ends.get(value.file, (0, 0))
+            ends[value.file] = (max(end, value.offset + value.length), count + 1)
+    short = set()
+    for name, (end, count) in ends.items():
+        try:
+            size = index.data_path(name).stat().st_size
+        except (OSError, HpckptError):
+            continue  # missing: the values say so, each
+        if size < end:
+            findings.append(Finding("corrupt-data", "error", f"{name}: truncated: {size} of {end} bytes (the metadata "
+                                    f"places {count} value(s) in it, up to byte {end})", file=name))
+            short.add(name)
+    return short
 
 
 def _check_files(index: CheckpointIndex, findings: list[Finding]) -> set[str]:
@@ -99,9 +148,10 @@ def _check_files(index: CheckpointIndex, findings: list[Finding]) -> set[str]:
             findings.append(_error(exc, file=name))
             bad.add(name)
             continue
-        for problem in problems:
-            findings.append(Finding("corrupt-data", "error", f"{name}: {problem}", file=name))
-        if problems:
+        if problems:  # one finding per damaged file: its first problem, the others as details
+            more = f" (and {len(problems) - 1} more problem(s) in this file)" if len(problems) > 1 else ""
+            findings.append(Finding("corrupt-data", "error", f"{name}: {problems[0]}{more}", file=name,
+                                    details=tuple(problems) if len(problems) > 1 else ()))
             bad.add(name)
     return bad
 
