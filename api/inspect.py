@@ -2,39 +2,45 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from hpckpt.api.options import Selection
 from hpckpt.api.reports import InspectReport
-from hpckpt.converters import open_index
+from hpckpt.converters import hpckpt_json, open_index
 from hpckpt.core.errors import HpckptError
 from hpckpt.core.geometry.layout import inferred_layouts
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.json_values import jsonable
 
-_RANK = re.compile(r"_rank(\d+)[_.]|^__(\d+)_\d+\.distcp$")
+_RANK = re.compile(r"_rank(\d+)[_.]|^__(\d+)_\d+\.distcp$|(?:^|-)(?:model|opt)-(\d{7})-\d{7}\.safetensors$")
 
 
+@functools.lru_cache(maxsize=65536)
 def rank_of(file: str) -> int | None:
-    """The rank a data file's name says wrote it (`_rank3_.safetensors`, `__3_0.distcp`)."""
+    """The rank a data file's name says wrote it (`_rank3_.safetensors`, `__3_0.distcp`,
+    MindFormers' `model-0000003-0000008.safetensors`)."""
     match = _RANK.search(os.path.basename(file))
     if not match:
         return None
-    return int(match.group(1) or match.group(2))
+    return int(next(g for g in match.groups() if g is not None))
 
 
 def _file_sizes(index: CheckpointIndex) -> tuple[dict, ...]:
     out = []
+    metadata = set(index.metadata_files)
     for name in index.metadata_files + index.data_files:
         try:
             size = index.data_path(name).stat().st_size
         except (OSError, ValueError):  # missing, or no possible file name (a NUL byte): verify says which
             size = None
-        out.append({"path": name, "bytes": size})
+        out.append({"path": name, "bytes": size, "kind": "metadata" if name in metadata else "data"})
     return tuple(out)
 
 
@@ -50,15 +56,68 @@ def _value(index: CheckpointIndex, fqn: str, decode: bool) -> dict:
     return item
 
 
+def _summary(index: CheckpointIndex, names: list[str], layouts: dict[str, str]) -> dict:
+    """The selected tensors counted by dtype and by layout, and the ranks grouped by what each
+    stores (files, chunks, bytes): a few lines whatever the checkpoint's size."""
+    by_dtype: dict[str, list[int]] = {}
+    by_layout: dict[str, list[int]] = {}
+    per_rank: dict[int | None, list[int]] = {}  # rank -> [chunks, bytes]
+    for fqn in names:
+        entry = index.tensors[fqn]
+        for table, key in ((by_dtype, entry.dtype.name), (by_layout, layouts[fqn])):
+            row = table.setdefault(key, [0, 0])
+            row[0] += 1
+            row[1] += entry.nbytes
+        if not entry.n_chunks:
+            continue
+        _offsets, sizes = entry.chunk_arrays()  # (no object per chunk: thousands of ranks stay cheap)
+        volumes = np.prod(sizes, axis=1) if sizes.shape[1] else np.ones(len(sizes), np.int64)
+        for file, volume in zip(entry.chunk_files(), volumes.tolist()):
+            row = per_rank.setdefault(rank_of(file), [0, 0])
+            row[0] += 1
+            row[1] += volume * entry.dtype.itemsize
+    files: dict[int | None, int] = {}
+    for name in index.data_files:
+        files[rank_of(name)] = files.get(rank_of(name), 0) + 1
+    groups: dict[tuple[int, int, int], list[int | None]] = {}
+    for rank in sorted(set(per_rank) | set(files), key=lambda r: -1 if r is None else r):
+        chunks, nbytes = per_rank.get(rank, (0, 0))
+        groups.setdefault((files.get(rank, 0), chunks, nbytes), []).append(rank)
+    return {
+        "dtypes": [{"dtype": k, "tensors": n, "bytes": b} for k, (n, b) in sorted(by_dtype.items(), key=lambda i: -i[1][1])],
+        "layouts": [{"layout": k, "tensors": n, "bytes": b} for k, (n, b) in sorted(by_layout.items(), key=lambda i: -i[1][1])],
+        "rank_groups": [{"ranks": _ranges(ranks), "count": len(ranks), "files": f, "chunks": c, "bytes": b}
+                        for (f, c, b), ranks in groups.items()],
+    }
+
+
+def _ranges(ranks: list[int | None]) -> str:
+    """`[0, 1, 2, 5]` as `0-2,5`; None (files that name no rank) as `-`."""
+    if ranks == [None]:
+        return "-"
+    out, numbers = [], [r for r in ranks if r is not None]
+    start = prev = numbers[0]
+    for r in [*numbers[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ",".join(out)
+
+
 def inspect(path: str | Path, select: Selection = Selection(), shards: Iterable[str] = (),
-            decode_values: bool = True, use_cache: bool = True) -> InspectReport:
+            decode_values: bool = True, use_cache: bool = True, summary_only: bool = False) -> InspectReport:
     """Describe a checkpoint: format, world size, files, tensors (with their inferred layout)
-    and values. `shards` globs select tensors whose chunk boxes are listed per rank and file.
+    and values, and a summary (by dtype, by layout, ranks grouped by what they store). With
+    `summary_only` the tensors and values are not listed one by one (nor values decoded).
+    `shards` globs select tensors whose chunk boxes are listed per rank and file.
     Large HyperParallel indexes are cached after the first run (see converters.index_cache)."""
     index = open_index(path, use_cache=use_cache)
     layouts = inferred_layouts(index)
     names = select.names(index.tensors)
-    tensors = tuple(
+    tensors = () if summary_only else tuple(
         {"fqn": fqn, "dtype": e.dtype.name, "dtype_as_written": e.dtype_spelling, "shape": list(e.shape),
          "layout": layouts[fqn], "chunks": e.n_chunks, "bytes": e.nbytes}
         for fqn in names for e in [index.tensors[fqn]])
@@ -75,5 +134,7 @@ def inspect(path: str | Path, select: Selection = Selection(), shards: Iterable[
         counts={"tensors": len(index.tensors), "values": len(index.values),
                 "chunks": sum(t.n_chunks for t in index.tensors.values()),
                 "tensor_bytes": sum(t.nbytes for t in index.tensors.values())},
-        tensors=tensors, values=tuple(_value(index, fqn, decode_values) for fqn in select.names(index.values)),
-        shards=listed, notes=(*index.warnings, *index.notes), based_on=tuple(index.baselines))
+        tensors=tensors, values=() if summary_only else tuple(
+            _value(index, fqn, decode_values) for fqn in select.names(index.values)),
+        shards=listed, notes=(*index.warnings, *index.notes), based_on=tuple(index.baselines),
+        summary=_summary(index, names, layouts), written_by=hpckpt_json.written_by(index))

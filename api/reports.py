@@ -160,6 +160,8 @@ class InspectReport(Report):
     notes: tuple[str, ...] = ()
     world_size_exact: bool = False  # True: recorded by hpckpt's writer; False: at least, from file names
     based_on: tuple[str, ...] = ()  # the checkpoints beside it an incremental save points into (`../NAME`)
+    summary: dict | None = None  # by dtype, by layout, and the ranks grouped by what they store
+    written_by: str | None = None  # "hpckpt VERSION" when hpckpt's manifest describes it
 
     def to_json(self) -> dict:
         doc = {
@@ -169,11 +171,13 @@ class InspectReport(Report):
             "format_version": self.format_version,
             "based_on": list(self.based_on),
             "framework": self.framework,
+            "written_by": self.written_by,
             "world_size": self.world_size,
             "world_size_exact": self.world_size_exact,
             "files": list(self.files),
             "total_bytes": sum(f["bytes"] or 0 for f in self.files),
             "counts": self.counts,
+            "summary": self.summary,
             "tensors": list(self.tensors),
             "values": list(self.values),
             "notes": list(self.notes),

@@ -13,6 +13,7 @@ from hpckpt.cli._option_groups import expand_options
 EXAMPLES = """Examples:
 
   hpckpt inspect ckpt/                          summary, tensors and values
+  hpckpt inspect ckpt/ --summary                counts by dtype and layout, ranks grouped
   hpckpt inspect ckpt/ --include 'model.*'      only the model
   hpckpt inspect ckpt/ --shards '*embed*'       chunk boxes per rank and file
   hpckpt inspect ckpt/ --json | jq .counts      one JSON document (schema in the README)
@@ -27,6 +28,8 @@ def inspect(
     exclude: Optional[List[str]] = typer.Option(None, "--exclude", "-x", metavar="GLOB", help="Leave out entries whose name matches (repeatable)."),
     shards: Optional[List[str]] = typer.Option(None, "--shards", "-s", metavar="GLOB", help="Show the chunk boxes of matching tensors per rank and file."),
     no_values: bool = typer.Option(False, "--no-values", help="Do not read and decode non-tensor values."),
+    summary: bool = typer.Option(False, "--summary", help="Counts, bytes, dtypes, layouts and one line per group "
+                                 "of ranks that store alike; no line per tensor or value."),
 ) -> None:
     """Show the format, world size, files, tensors (dtype, shape, chunks) and values of a checkpoint."""
     from hpckpt import api
@@ -35,7 +38,8 @@ def inspect(
 
     with TerminalProgress("inspect") as progress:
         progress.phase(f"reading metadata of {path}")
-        report = api.inspect(path, api.Selection.of(include, exclude), shards or (), decode_values=not no_values)
+        report = api.inspect(path, api.Selection.of(include, exclude), shards or (), decode_values=not no_values,
+                             summary_only=summary)
     if _output.json_mode():
         _output.emit_json(report.to_json())
     else:
@@ -51,9 +55,12 @@ def render(doc: dict) -> None:
 
     console = stdout_console()
     counts = doc["counts"]
-    framework = f" (written by {doc['framework']})" if doc["framework"] else ""
+    if doc.get("written_by"):  # hpckpt wrote it, spelling dtypes as a framework does
+        framework = f" (written by {doc['written_by']}" + (f", {doc['framework']} dtypes)" if doc["framework"] else ")")
+    else:
+        framework = f" (written by {doc['framework']})" if doc["framework"] else ""
     world = doc["world_size"]
-    n_meta = sum(1 for f in doc["files"] if f["path"].endswith(("metadata", ".json", ".jsonl")))
+    n_meta = sum(1 for f in doc["files"] if f.get("kind") == "metadata")
     summary = Table.grid(padding=(0, 2))
     summary.add_column(style="bold")
     summary.add_row("Checkpoint", Text(printable(doc["path"])))
@@ -68,6 +75,8 @@ def render(doc: dict) -> None:
         summary.add_row("Note", Text(printable(note)))
     console.print(summary)
     console.file.flush()
+    if doc.get("summary") and not doc["tensors"] and not doc["values"]:  # --summary
+        _render_summary(doc["summary"])
 
     if doc["tensors"]:
         write_table(
@@ -90,6 +99,20 @@ def render(doc: dict) -> None:
             [(str(i), _shape(c["offsets"]), _shape(c["sizes"]), "-" if c["rank"] is None else str(c["rank"]), c["file"], c["key"])
              for i, c in enumerate(shard["chunks"])],
         )
+
+
+def _render_summary(summary: dict) -> None:
+    from hpckpt.cli._output import human_bytes
+    from hpckpt.cli._tables import write_table
+
+    for key, title in (("dtypes", "dtype"), ("layouts", "layout")):
+        write_table(f"By {title}", [(title, "left"), ("tensors", "right"), ("size", "right")],
+                    [(row[title], str(row["tensors"]), human_bytes(row["bytes"])) for row in summary[key]])
+    write_table("Ranks (grouped by what each stores)",
+                [("ranks", "left"), ("count", "right"), ("files each", "right"), ("chunks each", "right"),
+                 ("size each", "right")],
+                [(g["ranks"], str(g["count"]), str(g["files"]), str(g["chunks"]), human_bytes(g["bytes"]))
+                 for g in summary["rank_groups"]])
 
 
 def _world_size(world: int | None, exact: bool) -> str:

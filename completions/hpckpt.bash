@@ -14,7 +14,7 @@ _hpckpt_commands() {
 _hpckpt_options() {
     case $1 in
         hpckpt) _hpckpt_words=(--debug --json --quiet -q --no-progress --version --help -h) ;;
-        'hpckpt inspect') _hpckpt_words=(--include -i --exclude -x --shards -s --no-values --json --quiet -q --no-progress --debug --help -h) ;;
+        'hpckpt inspect') _hpckpt_words=(--include -i --exclude -x --shards -s --no-values --summary --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt verify') _hpckpt_words=(--strict --deep --nan --jobs -j --verbose -v --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt diff') _hpckpt_words=(--names --atol --rtol --allow-dtype --include -i --exclude -x --max-memory --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt checksum') _hpckpt_words=(--force --jobs -j --json --quiet -q --no-progress --debug --help -h) ;;

@@ -28,6 +28,7 @@ complete -c hpckpt -n '__fish_seen_subcommand_from inspect' -l include -s i -x -
 complete -c hpckpt -n '__fish_seen_subcommand_from inspect' -l exclude -s x -x -d 'Leave out entries whose name matches (repeatable).'
 complete -c hpckpt -n '__fish_seen_subcommand_from inspect' -l shards -s s -x -d 'Show the chunk boxes of matching tensors per rank and file.'
 complete -c hpckpt -n '__fish_seen_subcommand_from inspect' -l no-values -d 'Do not read and decode non-tensor values.'
+complete -c hpckpt -n '__fish_seen_subcommand_from inspect' -l summary -d 'Counts, bytes, dtypes, layouts and one line per group of ranks that store alike; no line per tensor or value.'
 complete -c hpckpt -n '__fish_seen_subcommand_from inspect' -l json -d 'Print one JSON document (also before the command).'
 complete -c hpckpt -n '__fish_seen_subcommand_from inspect' -l quiet -s q -d 'No progress and no informational lines; warnings about lost data are still printed.'
 complete -c hpckpt -n '__fish_seen_subcommand_from inspect' -l no-progress -d 'No progress display on stderr.'

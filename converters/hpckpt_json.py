@@ -107,6 +107,17 @@ def _disagreement(doc: dict, index: CheckpointIndex, inferred: int | None) -> st
     return None
 
 
+def written_by(index: CheckpointIndex) -> str | None:
+    """`hpckpt VERSION` when hpckpt's record (its manifest) describes this checkpoint: hpckpt
+    wrote it, whatever framework's dtype strings it used; else None."""
+    if not index.root.is_dir() or record_name(index) is None:
+        return None
+    doc, problem = _problem(index, None)
+    if doc is None or problem is not None:
+        return None
+    return str(doc.get("written_by") or "hpckpt")
+
+
 def record_name(index: CheckpointIndex) -> str | None:
     """The file that records the checkpoint: its manifest, else a legacy `.hpckpt.json`, else None."""
     for name in (manifest.NAME, NAME):

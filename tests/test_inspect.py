@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 from _util import FIXTURES, REPO
 
 from hpckpt import api
@@ -57,7 +58,7 @@ def test_human_output_has_summary_tables_and_values():
     out = _cli("inspect", str(REPO / "examples" / "tiny-hp"), "--shards", "model.embed_tokens.weight")
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    for needle in ("hyperparallel 1.0 (written by torch)", "World size", "model.layers.0.mlp.down_proj.weight",
+    for needle in ("hyperparallel 1.0 (written by hpckpt 0.1.0, torch dtypes)", "World size", "model.layers.0.mlp.down_proj.weight",
                    "bfloat16", "[4, 6]", "'tiny-example'", "Chunks of model.embed_tokens.weight", "_rank1_.safetensors"):
         assert needle in text, needle
     assert out.stderr == ""
@@ -78,3 +79,35 @@ def test_example_checkpoint_is_what_the_script_makes(tmp_path):
     assert names == sorted(p.name for p in (tmp_path / "ex").iterdir())
     for name in names:
         assert (shipped / name).read_bytes() == (tmp_path / "ex" / name).read_bytes(), name
+
+
+def test_summary_first_counts_by_dtype_and_layout_and_ranks_grouped(tmp_path):
+    """`--summary`: the header, then by dtype, by layout and one line per group of ranks that store
+    alike; no line per tensor or value. The JSON document always carries the summary; and who
+    wrote a checkpoint is hpckpt only where hpckpt's manifest says so."""
+    doc = json.loads(_cli("inspect", str(FIXTURES / "m0-torch-4rank"), "--json").stdout)
+    summary = doc["summary"]
+    for key in ("dtypes", "layouts"):
+        assert sum(r["tensors"] for r in summary[key]) == 15 and sum(r["bytes"] for r in summary[key]) == 1656
+    assert {r["dtype"]: r["tensors"] for r in summary["dtypes"]} == {"float32": 13, "int64": 1, "bfloat16": 1}
+    groups = summary["rank_groups"]
+    assert sum(g["chunks"] * g["count"] for g in groups) == 42 and sum(g["bytes"] * g["count"] for g in groups) == 1656
+    assert doc["written_by"] is None and doc["framework"] == "torch"  # HyperParallel's own save
+    # ranks that store alike are one line: 4 ranks with a row each of w, rank 0 also the value
+    from hpckpt.converters.hyperparallel.from_memory import ChunkData, write_checkpoint
+    from hpckpt.core import dtypes
+    from hpckpt.core.geometry.box import Box
+
+    w = np.arange(32, dtype=np.float32).reshape(8, 4)
+    out = tmp_path / "even"
+    write_checkpoint(out, {"w": (dtypes.dtype("float32"), (8, 4), [
+        ChunkData(r, Box((2 * r, 0), (2, 4)), w[2 * r:2 * r + 2].tobytes()) for r in range(4)])}, {"step": (0, 7)})
+    doc = json.loads(_cli("inspect", str(out), "--json", "--summary").stdout)
+    assert doc["written_by"].startswith("hpckpt ") and doc["tensors"] == [] and doc["values"] == []
+    assert [(g["ranks"], g["count"], g["chunks"], g["bytes"]) for g in doc["summary"]["rank_groups"]] == [
+        ("0", 1, 1, 32), ("1-3", 3, 1, 32)], doc["summary"]
+    text = _cli("inspect", str(FIXTURES / "m0-torch-4rank"), "--summary").stdout
+    for needle in ("By dtype", "By layout", "Ranks (grouped by what each stores)", "bfloat16", "S0/4 even"):
+        assert needle in text, needle
+    assert "model.layers.0.mlp.down_proj.weight" not in text and "optimizer.param_groups" not in text
+    assert len(text.splitlines()) < 40
