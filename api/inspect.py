@@ -9,7 +9,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from hpckpt.api.options import Selection
 from hpckpt.api.reports import InspectReport
@@ -56,38 +55,32 @@ def _value(index: CheckpointIndex, fqn: str, decode: bool) -> dict:
     return item
 
 
-def _summary(index: CheckpointIndex, names: list[str], layouts: dict[str, str]) -> dict:
+def _summary(index: CheckpointIndex, names: list[str], layouts: dict[str, str], files: tuple[dict, ...]) -> dict:
     """The selected tensors counted by dtype and by layout, and the ranks grouped by what each
-    stores (files, chunks, bytes): a few lines whatever the checkpoint's size."""
+    stores (data files and their bytes on disk): a few lines whatever the checkpoint's size, and
+    nothing read but the listing (`files`: `_file_sizes`)."""
     by_dtype: dict[str, list[int]] = {}
     by_layout: dict[str, list[int]] = {}
-    per_rank: dict[int | None, list[int]] = {}  # rank -> [chunks, bytes]
     for fqn in names:
         entry = index.tensors[fqn]
         for table, key in ((by_dtype, entry.dtype.name), (by_layout, layouts[fqn])):
             row = table.setdefault(key, [0, 0])
             row[0] += 1
             row[1] += entry.nbytes
-        if not entry.n_chunks:
-            continue
-        _offsets, sizes = entry.chunk_arrays()  # (no object per chunk: thousands of ranks stay cheap)
-        volumes = np.prod(sizes, axis=1) if sizes.shape[1] else np.ones(len(sizes), np.int64)
-        for file, volume in zip(entry.chunk_files(), volumes.tolist()):
-            row = per_rank.setdefault(rank_of(file), [0, 0])
+    per_rank: dict[int | None, list[int]] = {}  # rank -> [files, bytes]
+    for f in files:
+        if f["kind"] == "data":
+            row = per_rank.setdefault(rank_of(f["path"]), [0, 0])
             row[0] += 1
-            row[1] += volume * entry.dtype.itemsize
-    files: dict[int | None, int] = {}
-    for name in index.data_files:
-        files[rank_of(name)] = files.get(rank_of(name), 0) + 1
-    groups: dict[tuple[int, int, int], list[int | None]] = {}
-    for rank in sorted(set(per_rank) | set(files), key=lambda r: -1 if r is None else r):
-        chunks, nbytes = per_rank.get(rank, (0, 0))
-        groups.setdefault((files.get(rank, 0), chunks, nbytes), []).append(rank)
+            row[1] += f["bytes"] or 0
+    groups: dict[tuple[int, int], list[int | None]] = {}
+    for rank in sorted(per_rank, key=lambda r: -1 if r is None else r):
+        groups.setdefault(tuple(per_rank[rank]), []).append(rank)
     return {
         "dtypes": [{"dtype": k, "tensors": n, "bytes": b} for k, (n, b) in sorted(by_dtype.items(), key=lambda i: -i[1][1])],
         "layouts": [{"layout": k, "tensors": n, "bytes": b} for k, (n, b) in sorted(by_layout.items(), key=lambda i: -i[1][1])],
-        "rank_groups": [{"ranks": _ranges(ranks), "count": len(ranks), "files": f, "chunks": c, "bytes": b}
-                        for (f, c, b), ranks in groups.items()],
+        "rank_groups": [{"ranks": _ranges(ranks), "count": len(ranks), "files": f, "bytes": b}
+                        for (f, b), ranks in groups.items()],
     }
 
 
@@ -128,13 +121,14 @@ def inspect(path: str | Path, select: Selection = Selection(), shards: Iterable[
             {"fqn": fqn, "chunks": [{"offsets": list(c.box.offsets), "sizes": list(c.box.sizes), "file": c.file,
                                      "key": c.key, "rank": rank_of(c.file)} for c in index.tensors[fqn].chunks]}
             for fqn in shard_globs.names(names))
+    files = _file_sizes(index)
     return InspectReport(
         path=str(path), format=index.format, format_version=index.format_version, framework=index.framework,
-        world_size=index.world_size, world_size_exact=index.world_size_exact, files=_file_sizes(index),
+        world_size=index.world_size, world_size_exact=index.world_size_exact, files=files,
         counts={"tensors": len(index.tensors), "values": len(index.values),
                 "chunks": sum(t.n_chunks for t in index.tensors.values()),
                 "tensor_bytes": sum(t.nbytes for t in index.tensors.values())},
         tensors=tensors, values=() if summary_only else tuple(
             _value(index, fqn, decode_values) for fqn in select.names(index.values)),
         shards=listed, notes=(*index.warnings, *index.notes), based_on=tuple(index.baselines),
-        summary=_summary(index, names, layouts), written_by=hpckpt_json.written_by(index))
+        summary=_summary(index, names, layouts, files), written_by=hpckpt_json.written_by(index))

@@ -17,7 +17,7 @@ import typing
 from typing import Any, Callable, NamedTuple
 
 from hpckpt.cli._options import (Debug, Exclude, Force, Include, Jobs, Json, KeepLayout, LayoutFiles, LayoutRules,
-                                 MaxMemory, MeshOption, NoFsync, NoProgress, Parents, Placements, Quiet,
+                                 MaxMemory, MeshOption, NoFsync, NoManifest, NoProgress, Parents, Placements, Quiet,
                                  RenamedExclude, RenamedInclude, Split, WorldSize)
 
 
@@ -59,6 +59,7 @@ class Write(NamedTuple):
     no_fsync: NoFsync = False
     force: Force = False
     parents: Parents = False
+    no_manifest: NoManifest = False
 
     def settings(self, progress=None, jobs: int | None = None):
         """The library's `WriteSettings`.
@@ -69,7 +70,7 @@ class Write(NamedTuple):
         from hpckpt.api import WriteSettings, parse_size
 
         return WriteSettings(jobs=jobs, max_memory=parse_size(self.max_memory), sync=not self.no_fsync,
-                             force=self.force, progress=progress, parents=self.parents)
+                             force=self.force, progress=progress, parents=self.parents, manifest=not self.no_manifest)
 
 
 class ParallelWrite(NamedTuple):

@@ -83,6 +83,9 @@ MaxShardSize = Annotated[str, typer.Option(
 NoFsync = Annotated[bool, typer.Option("--no-fsync", help="Skip fsync: faster; still safe if killed, not on power loss.")]
 Force = Annotated[bool, typer.Option("--force", help="Replace an existing destination.")]
 Parents = Annotated[bool, typer.Option("--parents", help="Create missing parent directories of -o.")]
+NoManifest = Annotated[bool, typer.Option(
+    "--no-manifest", help="Write no integrity manifest (.hpckpt-manifest.jsonl, or NAME.hpckpt-manifest.jsonl beside "
+    "a single file); verify --deep then reads every chunk instead.")]
 SkipUnsupported = Annotated[bool, typer.Option(
     "--skip-unsupported", help="Leave out (and list) tensors of a dtype the target format cannot hold, instead of failing.")]
 KeepReplicas = Annotated[bool, typer.Option(

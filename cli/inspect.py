@@ -109,10 +109,8 @@ def _render_summary(summary: dict) -> None:
         write_table(f"By {title}", [(title, "left"), ("tensors", "right"), ("size", "right")],
                     [(row[title], str(row["tensors"]), human_bytes(row["bytes"])) for row in summary[key]])
     write_table("Ranks (grouped by what each stores)",
-                [("ranks", "left"), ("count", "right"), ("files each", "right"), ("chunks each", "right"),
-                 ("size each", "right")],
-                [(g["ranks"], str(g["count"]), str(g["files"]), str(g["chunks"]), human_bytes(g["bytes"]))
-                 for g in summary["rank_groups"]])
+                [("ranks", "left"), ("count", "right"), ("data files each", "right"), ("on disk each", "right")],
+                [(g["ranks"], str(g["count"]), str(g["files"]), human_bytes(g["bytes"])) for g in summary["rank_groups"]])
 
 
 def _world_size(world: int | None, exact: bool) -> str:

@@ -91,7 +91,9 @@ def test_summary_first_counts_by_dtype_and_layout_and_ranks_grouped(tmp_path):
         assert sum(r["tensors"] for r in summary[key]) == 15 and sum(r["bytes"] for r in summary[key]) == 1656
     assert {r["dtype"]: r["tensors"] for r in summary["dtypes"]} == {"float32": 13, "int64": 1, "bfloat16": 1}
     groups = summary["rank_groups"]
-    assert sum(g["chunks"] * g["count"] for g in groups) == 42 and sum(g["bytes"] * g["count"] for g in groups) == 1656
+    data = [f for f in doc["files"] if f["kind"] == "data"]
+    assert sum(g["files"] * g["count"] for g in groups) == len(data) == 7
+    assert sum(g["bytes"] * g["count"] for g in groups) == sum(f["bytes"] for f in data)
     assert doc["written_by"] is None and doc["framework"] == "torch"  # HyperParallel's own save
     # ranks that store alike are one line: 4 ranks with a row each of w, rank 0 also the value
     from hpckpt.converters.hyperparallel.from_memory import ChunkData, write_checkpoint
@@ -104,8 +106,10 @@ def test_summary_first_counts_by_dtype_and_layout_and_ranks_grouped(tmp_path):
         ChunkData(r, Box((2 * r, 0), (2, 4)), w[2 * r:2 * r + 2].tobytes()) for r in range(4)])}, {"step": (0, 7)})
     doc = json.loads(_cli("inspect", str(out), "--json", "--summary").stdout)
     assert doc["written_by"].startswith("hpckpt ") and doc["tensors"] == [] and doc["values"] == []
-    assert [(g["ranks"], g["count"], g["chunks"], g["bytes"]) for g in doc["summary"]["rank_groups"]] == [
-        ("0", 1, 1, 32), ("1-3", 3, 1, 32)], doc["summary"]
+    sizes = {f["path"]: f["bytes"] for f in doc["files"]}
+    assert [(g["ranks"], g["count"], g["files"], g["bytes"]) for g in doc["summary"]["rank_groups"]] == [
+        ("0", 1, 2, sizes["_rank0_.safetensors"] + sizes["_rank0_.bytes"]),
+        ("1-3", 3, 1, sizes["_rank1_.safetensors"])], doc["summary"]
     text = _cli("inspect", str(FIXTURES / "m0-torch-4rank"), "--summary").stdout
     for needle in ("By dtype", "By layout", "Ranks (grouped by what each stores)", "bfloat16", "S0/4 even"):
         assert needle in text, needle

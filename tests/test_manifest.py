@@ -221,3 +221,39 @@ def test_large_copied_ranges_are_hashed_through_a_mapping_or_the_buffer(maps, tm
     assert len(mapped) == (2 if maps else 1)  # 12 MiB in 8 MiB spans; or the first refused
     assert_manifest_matches(tmp_path / "out")
     cli("diff", src, tmp_path / "out")  # exit 0: equal
+
+
+def test_no_manifest_when_asked_and_a_sidecar_without_its_file_is_replaced(tmp_path):
+    """`--no-manifest` writes none (single file, directory, fan-out); a sidecar hpckpt wrote whose
+    file a user deleted does not block the next write (it is replaced), one hpckpt did not write
+    still does."""
+    invoker = CliRunner()
+
+    def run(*args, code=0):
+        result = invoker.invoke(app, [*map(str, args)])
+        assert result.exit_code == code, result.output
+        return result.output
+
+    model = tmp_path / "model.safetensors"
+    run("consolidate", SOURCE, "-o", model, "--no-manifest")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "model.values.json"]
+    run("reshard", SOURCE, "-o", tmp_path / "hp", "--world-size", "2", "--no-manifest")
+    assert manifest.NAME not in os.listdir(tmp_path / "hp")
+    assert json.loads(run("verify", "--deep", "--json", tmp_path / "hp"))["ok"] is True
+    for rank in ("0", "1"):
+        run("reshard", SOURCE, "-o", tmp_path / "fan", "--world-size", "2", "--rank", rank, "--no-manifest")
+    run("reshard", "--finalize", tmp_path / "fan")
+    assert manifest.NAME not in os.listdir(tmp_path / "fan")
+    # a stale sidecar: hpckpt's, its file gone
+    model.unlink()
+    (tmp_path / "model.values.json").unlink()
+    run("consolidate", SOURCE, "-o", model)
+    sidecar = tmp_path / manifest.sidecar_name(model.name)
+    assert sidecar.is_file()
+    model.unlink()
+    run("consolidate", SOURCE, "-o", model)  # replaced, no --force needed
+    assert manifest.read(sidecar) is not None and model.is_file()
+    model.unlink()
+    sidecar.write_text("my notes\n")  # not hpckpt's: kept, and the write refused
+    assert "exists" in run("consolidate", SOURCE, "-o", model, code=14)
+    assert sidecar.read_text() == "my notes\n" and not model.exists()

@@ -21,7 +21,7 @@ def test_groups_expand_in_place_nested_ones_too_and_output_options_come_last():
         return src, select, write, dry
 
     names = list(inspect.signature(expand_options(command)).parameters)
-    assert names == ["src", "include", "exclude", "jobs", "max_memory", "no_fsync", "force", "parents", "dry",
+    assert names == ["src", "include", "exclude", "jobs", "max_memory", "no_fsync", "force", "parents", "no_manifest", "dry",
                      *Output._fields]
     defaults = {p.name: p.default for p in inspect.signature(expand_options(command)).parameters.values()}
     assert defaults["max_memory"] == "64MiB" and defaults["jobs"] is None and defaults["force"] is False

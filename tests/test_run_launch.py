@@ -122,7 +122,7 @@ def test_specs_carry_every_option_with_unset_ones_null(tmp_path):
                             "--include", "model.*", "--max-memory", "8MiB", "--no-fsync")
     assert set(reshard) == {"job", "src", "out", "world_size", "split", "mesh", "placements", "rules", "layout_files",
                             "keep_layout", "include", "exclude", "dtype", "framework", "max_memory", "no_fsync",
-                            "force", "parents"}
+                            "force", "parents", "no_manifest"}
     assert reshard["include"] == ["model.*"] and reshard["exclude"] is None and reshard["no_fsync"] is True
 
 

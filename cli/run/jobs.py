@@ -94,7 +94,7 @@ def reshard(
                 "world_size": layout.world_size, **checks.layout_part(layout), "keep_layout": layout.keep_layout,
                 "include": select.include or None, "exclude": select.exclude or None, "dtype": dtype,
                 "framework": framework, "max_memory": write.max_memory, "no_fsync": write.no_fsync,
-                "force": write.force, "parents": write.parents})
+                "force": write.force, "parents": write.parents, "no_manifest": write.no_manifest})
 
 
 @handles_errors

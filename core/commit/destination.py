@@ -133,10 +133,14 @@ def refuse_existing(dest: Path, force: bool, file_output: bool = False) -> None:
 
 
 def refuse_existing_sidecars(dest: Path, staged: list[str], force: bool) -> None:
-    """A sidecar already beside a single-file destination is part of what would be replaced."""
+    """A sidecar already beside a single-file destination is part of what would be replaced; one
+    hpckpt wrote whose file is gone describes nothing any more, and is replaced without --force."""
+    orphaned = not os.path.lexists(dest)
     for name in dict.fromkeys((*sidecars_of(dest.name), *staged)):
         path = dest.parent / name
         if os.path.lexists(path) and name != dest.name:
+            if orphaned and _foreign(path) is None:
+                continue
             if not force:
                 raise DestinationExistsError(f"{path} exists", hint="pass --force to replace it")
             _refuse_foreign(path)

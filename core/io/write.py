@@ -46,7 +46,7 @@ class WriteSettings:
     force: bool = False
     progress: Progress | None = None
     parents: bool = False  # create missing parent directories of the destination (`--parents`)
-    manifest: bool = True  # hash while writing and add the manifest (`core.commit.manifest`); off only to measure its cost
+    manifest: bool = True  # hash while writing and add the manifest (`core.commit.manifest`); `--no-manifest`
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,7 @@ class _Job:
         self.select = Selection.of(spec.get("include"), spec.get("exclude"))
         self.settings = WriteSettings(max_memory=parse_size(spec.get("max_memory") or "64MiB"),
                                       sync=not spec.get("no_fsync"), parents=bool(spec.get("parents")),
-                                      progress=ctx.progress)
+                                      manifest=not spec.get("no_manifest"), progress=ctx.progress)
         self.index = self.layout = None
         self.replacing = SetAside(self.dst, bool(spec.get("force")))
 
