@@ -29,7 +29,8 @@ def rename(index: CheckpointIndex, rules: Any, select: Selection):
     """Rename and select `index`'s entries: returns (view index, `NameMapping` or None, per-tensor
     dtypes asked by the rules, derived tensors to compute, `(name, reason)` of the entries the
     rules drop). Globs match the source name or the destination name (`--exclude 'optim.*'` works
-    whichever side says it); what the user leaves out is not reported, what the rules drop is."""
+    whichever side says it); what the user leaves out is not reported, what the rules drop is
+    (the mapping returned is of every entry: `NameMapping.selected` is what the selection keeps)."""
     everything = [*index.tensors, *index.values]
     if rules is None:
         return renamed_view(index, {n: None for n in everything if not select.keeps(n)}), None, {}, (), ()
@@ -90,7 +91,8 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, *, layout: 
     if mapping is not None:
         from hpckpt.converters.naming import mapping_json, render_mapping
 
-        extra["names"] = {**mapping_json(mapping), "table": render_mapping(mapping)}
+        shown = mapping if select.everything else mapping.selected(select.keeps)  # what was asked for
+        extra["names"] = {**mapping_json(shown), "table": render_mapping(shown)}
     if dry_run:  # the checks of a real run that need no data: the names, and the layout's fit
         fit = check_fit(layout, view) if layout is not None and not fmt.whole_tensors else []
         would = {"tensors": len(view.tensors) + len(derived), "values": len(view.values),

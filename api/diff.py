@@ -26,6 +26,7 @@ from hpckpt.core.commit.lock import reading
 from hpckpt.core.geometry.box import Box
 from hpckpt.core.geometry.overlap import check_inside
 from hpckpt.core.index import CheckpointIndex, TensorEntry
+from hpckpt.core.view import renamed_view
 from hpckpt.core.io.cast import to_float32
 from hpckpt.core.io.read import OpenFiles, read_box
 from hpckpt.core.safety.validate import refuse_interrupted
@@ -160,6 +161,17 @@ def _value(index: CheckpointIndex, name: str) -> Any:
     return index.decode_value(name)
 
 
+def _selected_b(index_a: CheckpointIndex, index_b: CheckpointIndex, view_a: CheckpointIndex, mapping: Any,
+                select: Selection) -> CheckpointIndex:
+    """B's entries the selection keeps: those A's kept entries are renamed to, whichever side's
+    names the globs are written in, and B's others the globs keep by their own names (a B entry
+    that some left-out A entry is renamed to stays out)."""
+    kept = {*view_a.tensors, *view_a.values}
+    of_a = set(mapping.destinations()) if mapping is not None else {*index_a.tensors, *index_a.values}
+    every_b = [*index_b.tensors, *index_b.values]
+    return renamed_view(index_b, {n: None for n in every_b if n not in kept and (n in of_a or not select.keeps(n))})
+
+
 def diff(a: str | Path, b: str | Path, *, names: Any = None, select: Selection = Selection(), atol: float = 0.0,
          rtol: float = 0.0, allow_dtype: bool = False, max_memory: int = DEFAULT_MAX_MEMORY,
          progress: Any = None) -> DiffReport:
@@ -174,8 +186,8 @@ def diff(a: str | Path, b: str | Path, *, names: Any = None, select: Selection =
         index_a, index_b = open_index(a), open_index(b)
         for index in (index_a, index_b):
             refuse_interrupted(index)  # as every command that reads data: leftovers of a killed save
-        view_a = rename(index_a, names, select)[0]
-        view_b = rename(index_b, None, select)[0] if not select.everything else index_b
+        view_a, mapping = rename(index_a, names, select)[:2]
+        view_b = index_b if select.everything else _selected_b(index_a, index_b, view_a, mapping, select)
         report = DiffReport(str(a), str(b), index_a.format, index_b.format, atol, rtol, allow_dtype)
         names_a = [*view_a.tensors, *view_a.values]
         names_b = [*view_b.tensors, *view_b.values]

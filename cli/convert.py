@@ -76,6 +76,8 @@ def run(src, out, to, *, layout, framework, dtype, select, rules, max_shard_size
                         f"written in {report['seconds']:.2f} s ({_output.rate(report)})")
     if names and names.get("table"):
         _output.result_line(names["table"][-1])  # the summary: renamed, unmapped, ambiguous, derived
+    for name, why in ((names or {}).get("ambiguous") or {}).items():  # named in every mode, not only --dry-run
+        _output.warn(f"ambiguous name {name}: {why}")
 
 
 @handles_errors

@@ -1045,3 +1045,37 @@ def test_transpose_every_matrix_of_every_fixture(name, tmp_path):
     report = api.convert(fixture, out, "pt", rules=rules)
     want.update({k: want[k].t().contiguous() for k in matrices})
     check_output("pt", out, want, fixture_values(fixture), report, tmp_path)
+
+
+def test_name_reports_count_only_the_selected_entries_and_name_every_ambiguity(tmp_path):
+    """With --include, the name report counts the entries asked for (not "N unmapped" of the ones
+    left out); an ambiguous name is a warning in a real run, not only in --dry-run; `diff --names`
+    with a glob in A's names compares B's entries that A's selected ones are renamed to."""
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "model.safetensors"
+    rng = np.random.default_rng(3)
+    save_file({"ln_f.weight": rng.standard_normal(4).astype(np.float32),
+               "ln_f.bias": rng.standard_normal(4).astype(np.float32),
+               "tok_embeddings.weight": rng.standard_normal((10, 4)).astype(np.float32),
+               "lm_head.weight": rng.standard_normal((10, 4)).astype(np.float32),
+               "layers.0.attn.bias": rng.standard_normal(4).astype(np.float32)}, str(src))
+    cli = CliRunner()
+    out = cli.invoke(app, ["convert", str(src), "-o", str(tmp_path / "a.ckpt"), "--names", "torch-to-ms",
+                           "--include", "ln_f.*", "--json"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout)
+    assert sorted(e["source"] for e in doc["names"]["entries"]) == ["ln_f.bias", "ln_f.weight"]
+    assert doc["names"]["unmapped"] == [] and doc["names"]["ambiguous"] == {}
+    assert doc["names"]["table"][-1].startswith("2 source names: 2 renamed, 0 not written, 0 unmapped (kept), "
+                                                "0 ambiguous"), doc["names"]
+    out = cli.invoke(app, ["convert", str(src), "-o", str(tmp_path / "all.ckpt"), "--names", "torch-to-ms"])
+    assert out.exit_code == 0, out.output
+    assert "warning: ambiguous name lm_head.weight:" in out.stderr, out.stderr
+    # diff: '*.weight' is in A's (torch) names; B holds ln_f.gamma, which A's ln_f.weight becomes
+    out = cli.invoke(app, ["diff", str(src), str(tmp_path / "all.ckpt"), "--names", "torch-to-ms",
+                           "--include", "*.weight", "--json"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout)
+    assert doc["only_a"] == [] and doc["only_b"] == [] and doc["equal"] is True, doc
+    assert sorted(t["name"] for t in doc["tensors"]) == ["lm_head.weight", "ln_f.gamma", "tok_embeddings.embedding_table"]

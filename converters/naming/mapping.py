@@ -41,6 +41,13 @@ class NameMapping:
     def dropped(self) -> tuple[str, ...]:
         return tuple(s for s, e in self.entries.items() if e.destination is None)
 
+    def selected(self, keeps) -> "NameMapping":
+        """The mapping of the entries a selection keeps (`keeps(source, destination)`, e.g.
+        `Selection.keeps`): what a report counts when `--include`/`--exclude` left the rest out."""
+        entries = {s: e for s, e in self.entries.items() if keeps(s, *(() if e.destination is None else (e.destination,)))}
+        return NameMapping(entries, tuple(d for d in self.derived if keeps(d.destination)),
+                           {s: why for s, why in self.ambiguous.items() if s in entries}, self.preset)
+
     def destinations(self) -> list[str]:
         """Every name the converted checkpoint will hold: written sources, then derived."""
         return [e.destination for e in self.entries.values() if e.destination is not None] + \
