@@ -21,6 +21,7 @@ import numpy as np
 
 from hpckpt.api.convert import rename
 from hpckpt.api.options import Selection
+from hpckpt.api.reports import envelope
 from hpckpt.converters import open_index
 from hpckpt.core.commit.lock import reading
 from hpckpt.core.geometry.box import Box
@@ -83,7 +84,9 @@ class DiffReport:
         counts: dict[str, int] = {}
         for t in self.tensors:
             counts[t.status] = counts.get(t.status, 0) + 1
-        return {"a": self.a, "b": self.b, "format": [self.format_a, self.format_b], "equal": self.equal,
+        # `ok`: the exit code is 0 (the checkpoints are equal within the tolerances), as verify's
+        return {**envelope("diff", ok=self.equal),
+                "a": self.a, "b": self.b, "format": [self.format_a, self.format_b], "equal": self.equal,
                 "atol": self.atol, "rtol": self.rtol, "allow_dtype": self.allow_dtype,
                 "only_a": self.only_a, "only_b": self.only_b, "counts": counts,
                 "dtype_changed": [t.name for t in self.tensors if t.dtype_a != t.dtype_b],

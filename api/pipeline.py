@@ -163,7 +163,8 @@ def write(command: str, src: str | Path, dst: str | Path, source: CheckpointInde
                                                 source_version=source.format_version if source.format.startswith(
                                                     "hyperparallel") else None,
                                                 max_shard_bytes=target.max_shard_bytes, crc=target.crc,
-                                                user_metadata=tuple(source.user_metadata.items())))
+                                                user_metadata=tuple(source.user_metadata.items()),
+                                                layout=None if target.format.whole_tensors else target.layout))
     layouts = not target.format.whole_tensors
     if dry_run:  # nothing is read but the metadata
         written = read = 0

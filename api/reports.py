@@ -1,6 +1,6 @@
 """What the library entry points return: frozen reports that render the documented JSON.
 
-`report.to_json()` is exactly what `hpckpt COMMAND --json` prints (schemas in the README);
+`report.to_json()` is exactly what `hpckpt COMMAND --json` prints (schemas in docs/commands.md);
 `report["key"]` reads the same document, so scripts can treat a report as that dict.
 """
 
@@ -41,7 +41,7 @@ class Report:
 
 
 def envelope(command: str | None, *, ok: bool = True, written=(), skipped=(), warnings=()) -> dict:
-    """The fields every document starts with, whatever the command (README: "JSON documents")."""
+    """The fields every document starts with, whatever the command (docs/commands.md, "JSON documents")."""
     return {"schema": SCHEMA_VERSION, "hpckpt_version": __version__, "command": command, "ok": ok,
             "written": list(written), "skipped": list(skipped), "warnings": list(warnings)}
 
@@ -145,7 +145,7 @@ class FinalizeReport(Report):
 
 @dataclass(frozen=True)
 class InspectReport(Report):
-    """`inspect`: a checkpoint described from its metadata (the README documents each field)."""
+    """`inspect`: a checkpoint described from its metadata (docs/commands.md documents each field)."""
 
     path: str
     format: str

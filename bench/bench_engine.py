@@ -902,6 +902,7 @@ def render_doc(data: dict) -> str:
 
 Produced by
 
+<!-- not run: a benchmark: minutes of run time and gigabytes of scratch data -->
 ```bash
 {data['command']}
 ```
@@ -912,7 +913,7 @@ virtual disk; Python {env.get('python', '?').split(' ')[0]}, torch {env.get('tor
 safetensors {env.get('safetensors')}, hpckpt {env.get('hpckpt')}; {facts['cp']}. Load average
 {data['load_before']} before and {data['load_after']} after the run (other sessions share the 2 cores).
 {notes_line}
-```
+```text
 $ free -g
 {facts['free_g']}
 ```
@@ -955,7 +956,7 @@ themselves stay cached). `x cp -r` = wall of `cp -r` of the same input directory
 faster than cp); `cp -r + sync` also fsyncs the copied files, as hpckpt (by default) and `dcp.save`
 do; `cp`, `torch.save`, PyTorch's safetensors consolidation and hpckpt with `--no-fsync` do not. So
 the like-for-like pairs are `cp -r + sync` with the fsynced hpckpt rows and `cp -r` with the
-`--no-fsync` rows. `hpckpt faster by` = this wall
+`--no-fsync` rows. "hpckpt faster by" = this wall
 / the wall of the hpckpt row named (same cache state). `torch-hf-sharded` rows are compared with
 `cp -r` of `torch-dcp` (the same bytes within 0.1%). In brackets: time inside the script around `dcp.load` /
 `dcp.save` (barrier to barrier, slowest rank) or around the consolidation call.

@@ -563,6 +563,7 @@ MindSpore's own checkpoint tools (`ckpt_to_safetensors`, `safetensors_to_ckpt`, 
 `transform_checkpoints`, `load_checkpoint`) side by side with hpckpt and `cp`, on the same
 {data['size_gib']:g} GiB checkpoint split over 4 ranks, in one run. Produced by
 
+<!-- not run: a benchmark: minutes of run time and gigabytes of scratch data -->
 ```bash
 {data['command']}
 ```
@@ -573,7 +574,7 @@ Python {py_version or sys.version.split()[0]}, {data['versions']}; {m['cp']}. Lo
 {data['load_after']} after the run. Other sessions share the 2 cores: timings are noisy (best of
 {data['repeat']} runs, taken round-robin so a burst of load does not hit all the runs of one row).
 
-```
+```text
 $ free -g
 {m['free_g']}
 ```

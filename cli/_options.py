@@ -102,7 +102,7 @@ Split = Annotated[SplitRule, typer.Option("--split", help="Uneven split rule: ba
 MeshOption = Annotated[Optional[str], typer.Option("--mesh", help="Target device mesh, e.g. 2x4.")]
 Placements = Annotated[Optional[str], typer.Option("--placements", help="Placement per mesh dim, e.g. R,S0.")]
 LayoutRules = Annotated[Optional[Path], typer.Option(
-    "--layout-rules", help="TOML file of per-tensor placements (see README).")]
+    "--layout-rules", help="TOML file of per-tensor placements (docs/commands.md, layout rules).")]
 LayoutFiles = Annotated[Optional[List[Path]], typer.Option(
     "--layout-file", help="HyperParallel .layout JSON (repeatable).")]
 KeepLayout = Annotated[bool, typer.Option("--keep-layout", help="Keep each tensor's layout; change only the mesh size.")]

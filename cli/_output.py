@@ -55,7 +55,7 @@ def progress_wanted() -> bool:
 
 
 def emit_json(document: Any) -> None:
-    """Print the run's one JSON document on stdout (key order as documented in the README); the
+    """Print the run's one JSON document on stdout (key order as docs/commands.md documents it); the
     warnings the command line itself printed join the document's."""
     if isinstance(document, dict) and "warnings" in document:
         document["warnings"] = [*document["warnings"],

@@ -16,7 +16,7 @@ EXAMPLES = """Examples:
   hpckpt inspect ckpt/ --summary                counts by dtype and layout, ranks grouped
   hpckpt inspect ckpt/ --include 'model.*'      only the model
   hpckpt inspect ckpt/ --shards '*embed*'       chunk boxes per rank and file
-  hpckpt inspect ckpt/ --json | jq .counts      one JSON document (schema in the README)
+  hpckpt inspect ckpt/ --json | jq .counts      one JSON document (docs/commands.md)
 """
 
 

@@ -21,7 +21,7 @@ from hpckpt.converters.safetensors_file import SafetensorsFileReader, Safetensor
 from hpckpt.converters.torch_dcp import TorchDcpReader, TorchDcpWriter
 from hpckpt.converters.torch_dcp.metadata_files import rank_local_files
 from hpckpt.converters.torch_save_file import TorchSaveFileWriter, TorchSaveReader
-from hpckpt.core.commit.leftovers import FRAGMENT_DIR, leftover
+from hpckpt.core.commit.leftovers import FRAGMENT_DIR, leftover, missing_with_leftovers
 from hpckpt.core.errors import (
     CorruptMetadataError,
     NotACheckpointError,
@@ -97,6 +97,9 @@ def detect(path: Path) -> Format:
         NotACheckpointError: nothing at `path` looks like a checkpoint.
     """
     if not path.exists():
+        left = missing_with_leftovers(path)  # a stopped run's staging, its lock
+        if left is not None:
+            raise PathNotFoundError(*left[:1], hint=left[1])
         raise PathNotFoundError(f"{path}: no such file or directory")
     left = leftover(path)  # a staging directory, a lock file, a sidecar without its file
     if left is not None:

@@ -74,6 +74,7 @@ class WriterOptions:
     max_shard_bytes: int = 5 * 10**9
     crc: bool = False
     user_metadata: tuple[tuple[str, str], ...] = ()  # a safetensors source's own __metadata__ keys
+    layout: Any = None  # the target's `LayoutSpec`, for formats that record each tensor's layout (MindFormers)
 
 
 class FormatWriter(Protocol):

@@ -33,6 +33,8 @@ from hpckpt.core.errors import (
     UnknownFormatError,
 )
 from hpckpt.core.geometry.box import Box
+from hpckpt.core.geometry.layout import to_tensor_map
+from hpckpt.core.geometry.rank_boxes import rank_boxes
 from hpckpt.core.geometry.plan import Plan
 from hpckpt.core.index import CheckpointIndex, Chunk, TensorEntry, ValueEntry
 from hpckpt.core.io.output import Extent, FileLayout, Finished, OutputLayout, Placement
@@ -232,15 +234,17 @@ class MindFormersWriter:
     """`FormatWriter` of one MindFormers Checkpoint 2.0 iteration directory (the destination;
     MindFormers' `load_checkpoint` takes it as it is, or under a root with its tracker file).
 
-    Per storing rank `model-{r:07d}-{n:07d}.safetensors` (MindSpore safetensors, keys the
-    parameter names, each box once: the remove-redundancy form, which MindFormers' loader reads
-    like any other), `common.json` from the source's `common.*` values, and `metadata.json` last.
+    Per storing rank `model-{r:07d}-{n:07d}.safetensors` (MindSpore safetensors keyed by parameter
+    name; each box once, the remove-redundancy form, or with the plan's `every_replica` on every
+    rank holding it, MindFormers' default), `common.json` from the source's `common.*` values, and
+    `metadata.json` last, whose layouts describe the target mesh (`WriterOptions.layout`).
     MindFormers keeps a tensor as equal slices on a grid (`axis_fragmentations`): a layout that
     splits a dimension unevenly is refused."""
 
     def __init__(self, options: WriterOptions, value_lengths=None, payloads=None):
         self._plan: Plan | None = None
         self._common: dict[str, Any] = {}
+        self._spec = options.layout  # each tensor's target layout: what `layout` and `rank_group` say
 
     def layout(self, plan: Plan, values: Mapping[str, Any]) -> OutputLayout:
         self._plan = plan
@@ -279,18 +283,23 @@ class MindFormersWriter:
         state, storage = {}, {}
         for tensor in plan.tensors:
             grid, local = self._grids[tensor.fqn]
+            layout = self._spec.resolve(tensor.fqn, tensor.shape) if self._spec is not None else None
             dtype = tensor.dtype.ms_spelling or tensor.dtype.name
             state[tensor.fqn] = {
                 "properties": {"dtype": dtype, "replica_id": 0, "allow_shape_mismatch": False, "allow_to_save": True},
-                "global_shape": list(tensor.shape), "axis_fragmentations": list(grid), "layout": _layout(grid),
-                "chunk": []}
+                "global_shape": list(tensor.shape), "axis_fragmentations": list(grid),
+                "layout": _layout(layout, len(tensor.shape)), "chunk": []}
+            holders = _holders(layout, tensor.shape, grid, local)
             for planned in tensor.boxes:
                 shard = _slice_number(planned.box.offsets, grid, local)
                 key = str((tensor.fqn, (shard,)))
                 if key not in storage:
                     state[tensor.fqn]["chunk"].append({"global_offset": [shard], "local_shape": list(local)})
+                # `rank_group`: every rank of the layout holding the slice; MindFormers' loader
+                # finds a slice's file through it (or `storage_rank`) from the rank the layout names
                 storage.setdefault(key, []).append({"file_name": model_file(planned.rank, plan.world_size),
-                                                    "storage_rank": planned.rank, "rank_group": [planned.rank]})
+                                                    "storage_rank": planned.rank,
+                                                    "rank_group": holders.get(shard, [planned.rank])})
         return {"state_dict_metadata": state, "storage_data": storage}
 
 
@@ -319,23 +328,29 @@ def _grid(tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return grid, local
 
 
-def _layout(grid: tuple[int, ...]) -> dict | None:
-    """A MindSpore `Layout.to_dict()` that slices a tensor as `grid` does: one device axis per
-    split dimension, in order, and one rank per slice, so that rank r holds slice r (MindFormers
-    numbers slices from the layout; `storage_data` says which file holds each). None for a tensor
-    kept whole, as MindFormers writes one. The keys in MindFormers' order: its loader unpacks them
-    by position."""
-    split = [g for g in grid if g > 1]
-    if not split:
+def _layout(layout, ndim: int) -> dict | None:
+    """The target layout as MindSpore's `Layout.to_dict()`: the whole device mesh (its
+    replicating axes too) and the tensor_map of the axes that split the tensor, so that each
+    rank's slice is the one it holds in the output (MindFormers' loader looks a slice up by the
+    rank this layout gives it). None on one rank (a single card's save has no layout). The keys
+    in MindFormers' order: its loader unpacks them by position."""
+    if layout is None or layout.mesh.size == 1:
         return None
-    axes, tensor_map = len(split), []
-    for g in grid:
-        if g > 1:
-            tensor_map.append(axes - 1 - len([m for m in tensor_map if m != -1]))
-        else:
-            tensor_map.append(-1)
-    return {"device_matrix": split, "tensor_map": tensor_map, "interleaved_parallel": False,
-            "alias_name": [f"d{i}" for i in range(axes)], "rank_list": list(range(math.prod(split)))}
+    return {"device_matrix": list(layout.mesh.shape), "tensor_map": to_tensor_map(layout, ndim),
+            "interleaved_parallel": False, "alias_name": [f"d{i}" for i in range(layout.mesh.ndim)],
+            "rank_list": list(layout.mesh.ranks)}
+
+
+def _holders(layout, shape: tuple[int, ...], grid: tuple[int, ...], local: tuple[int, ...]) -> dict[int, list[int]]:
+    """Slice number -> the ranks holding it under `layout` (none known without one)."""
+    if layout is None:
+        return {}
+    boxes, empty_tensor = rank_boxes(layout, tuple(shape)), 0 in shape
+    out: dict[int, list[int]] = {}
+    for i, (offsets, sizes) in enumerate(zip(boxes.offsets.tolist(), boxes.sizes.tolist())):
+        if empty_tensor or 0 not in sizes:  # (an empty box of a split is no slice)
+            out[_slice_number(tuple(offsets), grid, local)] = sorted(int(r) for r in boxes.holders(i))
+    return out
 
 
 def _slice_number(offsets: tuple[int, ...], grid: tuple[int, ...], local: tuple[int, ...]) -> int:

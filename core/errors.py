@@ -1,6 +1,6 @@
 """One error hierarchy; every class carries the exit code the CLI returns for it.
 
-The codes are part of the interface (documented in the README): scripts that fan hpckpt out over
+The codes are part of the interface (`EXIT_CODES` below, the table in docs/safety.md): scripts that fan hpckpt out over
 many machines branch on them. A lower code is a more fundamental problem; `verify` exits with the
 lowest code among its findings.
 """
@@ -319,7 +319,7 @@ class WorkerFailedError(HpckptError):
 
 
 #: Every error class with an exit code of its own (3 and up), for the documentation table (the
-#: README's exit codes, one row per kind) and `verify`'s findings. The rules-file errors are left
+#: exit-code table, one row per kind) and `verify`'s findings. The rules-file errors are left
 #: out: they are usage errors, documented there as exit 2 "usage".
 ERROR_CLASSES: tuple[type[HpckptError], ...] = (
     PathNotFoundError,

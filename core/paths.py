@@ -9,19 +9,26 @@ from pathlib import Path
 from hpckpt.core.errors import MissingFileError, UnsafePathError
 
 
-@functools.lru_cache(maxsize=65536)
 def resolve_inside(root: Path, relative: str, siblings: bool = False) -> Path:
     """Return `root/relative`, refusing absolute paths and paths that climb out of `root`.
 
     With `siblings` (HyperParallel's incremental saves), `../NAME/FILE` is followed too when
     `NAME` is another checkpoint directory beside `root` (`baseline_of`).
 
-    Cached: readers ask for the same few files once per chunk, and resolving costs `lstat`s.
+    Cached: readers ask for the same few files once per chunk, and resolving costs `lstat`s (the
+    cache is keyed on the absolute root: a relative one means another directory after a chdir).
 
     Raises:
         UnsafePathError: `relative` is absolute or resolves outside `root` (e.g. `../x`) and,
             with `siblings`, outside every checkpoint beside it.
     """
+    if isinstance(root, Path) and not root.is_absolute():
+        root = Path(os.path.abspath(root))
+    return _resolve_inside(root, relative, siblings)
+
+
+@functools.lru_cache(maxsize=65536)
+def _resolve_inside(root: Path, relative: str, siblings: bool) -> Path:
     if not relative or os.path.isabs(relative) or relative.startswith(("\\", "/")):
         raise UnsafePathError(f"path {relative!r} in the metadata is not relative to the checkpoint")
     if "\0" in relative or len(relative.encode("utf-8", "surrogatepass")) > 4096 or any(

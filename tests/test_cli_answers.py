@@ -203,14 +203,15 @@ def _writes(tmp_path):
 
 
 def test_every_command_answers_with_the_envelope(tmp_path):
-    runs = [("inspect", ["inspect", TINY]), ("verify", ["verify", TINY]), ("env", ["env"]), *_writes(tmp_path)]
+    runs = [("inspect", ["inspect", TINY]), ("verify", ["verify", TINY]), ("env", ["env"]),
+            ("diff", ["diff", TINY, TINY]), *_writes(tmp_path)]
     for command, args in runs:
         result = cli(*args, "--json")
         assert result.exit_code == 0, (command, result.stderr)
         doc = document(result)
         assert list(doc)[:len(ENVELOPE)] == ENVELOPE, (command, list(doc))
         assert doc["schema"] == 3 and doc["command"] == command and doc["ok"] is True
-        if command in ("inspect", "verify", "env"):
+        if command in ("inspect", "verify", "env", "diff"):
             assert doc["written"] == []
         else:
             assert doc["written"] and all(Path(p).is_file() for p in doc["written"]), (command, doc["written"])

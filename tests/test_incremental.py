@@ -170,3 +170,17 @@ def test_the_2_0_lines_loader_reads_hpckpts_output(chain, tmp_path):
     assert sorted(got) == sorted(expected())
     for name, array in expected().items():
         np.testing.assert_array_equal(got[name], array)
+
+
+def test_relative_roots_resolve_against_the_current_directory_each_time(tmp_path, monkeypatch):
+    """Resolved paths are cached per absolute root: the same relative name in another directory
+    (after a chdir, in one process) is another checkpoint."""
+    from hpckpt import api
+
+    for step in (1, 2):
+        (tmp_path / f"d{step}").mkdir()
+        write(tmp_path / f"d{step}" / "ck", full(step), step)
+    for step in (1, 2):
+        monkeypatch.chdir(tmp_path / f"d{step}")
+        api.consolidate("ck", f"one-{step}.safetensors")
+        np.testing.assert_array_equal(load_file(f"one-{step}.safetensors")["w"], full(step)["w"])

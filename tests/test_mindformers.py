@@ -107,13 +107,20 @@ def test_bad_mindformers_metadata(tmp_path):
     assert "slice 2 of 2" in hpckpt("inspect", str(iteration), code=6)
 
 
-@pytest.mark.parametrize(("source", "world", "expected"), [("sim2", "2", "hpckpt-2rank"), ("meta", "1", "hpckpt-1rank")])
-def test_written_as_mindformers_loader_accepted(source, world, expected, tmp_path):
-    """`convert --to mindformers` writes, byte for byte, what MindFormers 2.1.0's own
+@pytest.mark.parametrize(("source", "how", "expected"), [
+    ("sim2", ("convert", "--world-size", "2"), "hpckpt-2rank"),
+    ("meta", ("convert", "--world-size", "1"), "hpckpt-1rank"),
+    ("sim2", ("reshard", "--mesh", "2x2", "--placements", "S0,R"), "hpckpt-2x2-s0r"),
+    ("sim2", ("reshard", "--mesh", "2x2", "--placements", "R,S0", "--keep-replicas"), "hpckpt-2x2-rs0-replicas"),
+])
+def test_written_as_mindformers_loader_accepted(source, how, expected, tmp_path):
+    """`convert`/`reshard --to mindformers` write, byte for byte, what MindFormers 2.1.0's own
     `load_checkpoint` read back correctly (fixtures README): model files, common.json, metadata.json
-    (with a layout per split tensor, slice numbers on the grid)."""
+    (the whole mesh as each tensor's layout, every holder of a slice in its `rank_group`, slice
+    numbers on the grid); with a replicating mesh axis, each slice once or on every holder."""
     out = tmp_path / "out"
-    hpckpt("convert", str(FIXTURES / source), "--to", "mindformers", "-o", str(out), "--world-size", world)
+    command, *options = how
+    hpckpt(command, str(FIXTURES / source), "--to", "mindformers", "-o", str(out), *options)
     want = FIXTURES / expected
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == sorted(p.name for p in want.iterdir())
     for f in want.iterdir():

@@ -175,3 +175,50 @@ def test_msrun_failing_rank_is_named_and_nothing_is_left(tmp_path):
                                           f"(log: {job_files.log_path(run_dir, 0)})")
     assert ended - job_files.read_json(job_files.status_path(run_dir, 0))["time"] < 6  # not msrun's timeout
     assert not workers_left(run_dir)
+
+
+def test_signals_remove_what_the_job_staged_and_come_too_late_after_it_finished(tmp_path):
+    """Real signals to `hpckpt run`: SIGTERM during a save removes the staging the ranks share and
+    the lock (exit 143, nothing left beside the destination); what a killed run (SIGKILL, no
+    cleanup) left is named by inspect and verify with the command that removes it; a SIGINT after
+    every rank finished is too late to undo anything: exit 0, and said."""
+    dest = tmp_path / "ck"
+    proc = subprocess.Popen([str(HPCKPT), "run", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), "save",
+                             "-o", str(dest), "--size", "600MiB"], stderr=subprocess.PIPE, text=True, env=_env())
+    staging = tmp_path / ".ck.hpckpt-tmp-dist"
+    deadline = time.monotonic() + 120
+    while not staging.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert staging.exists(), "the save never staged"
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "interrupted (SIGTERM)" in stderr, stderr
+    assert "removed what the stopped job left" in stderr and str(staging) in stderr, stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"], sorted(tmp_path.iterdir())
+    assert not workers_left(tmp_path / "logs")
+    # what a run killed outright left (it could not clean up): named, with the command that removes it
+    staging.mkdir()
+    (staging / "_rank0_.safetensors").write_bytes(b"\0" * 64)
+    (tmp_path / ".ck.hpckpt-lock").write_text("999999999\n")
+    for command in ("inspect", "verify"):
+        done = subprocess.run([str(HPCKPT), command, str(dest)], capture_output=True, text=True, env=_env())
+        assert done.returncode == 3, done.stderr
+        assert ".ck.hpckpt-tmp-dist" in done.stderr and ".ck.hpckpt-lock" in done.stderr, done.stderr
+        assert "hint: remove them with `rm -r " in done.stderr and str(staging) in done.stderr, done.stderr
+    # a signal once every rank has reported success: the job's output stands
+    logs = tmp_path / "logs2"
+    proc = subprocess.Popen([str(HPCKPT), "run", "--nproc-per-node", "2", "--log-dir", str(logs), "selftest",
+                             "--bytes", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                            preexec_fn=_sigint_as_on_a_terminal)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        run = job_files.read_run(logs)
+        if len(run.ranks) == 2 and all(r.state == job_files.OK and r.result is not None for r in run.ranks.values()):
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before the signal could be sent"
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    assert "SIGINT came after" in stderr and "nothing was undone" in stderr, stderr
+    assert "selftest done on 2 ranks" in stdout, stdout

@@ -6,6 +6,7 @@ timeout (msrun waits `--cluster_time_out`, 40 s and more, measured).
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from hpckpt.cli.run.launch_plan import LaunchPlan
 from hpckpt.cli.run.processes import descendants, stop_job
 from hpckpt.cli.run.report import unreported
 from hpckpt.core import job_files
+from hpckpt.core.errors import InterruptedRunError
 
 POLL_SECONDS = 0.1
 
@@ -89,6 +91,12 @@ def launch(plan: LaunchPlan, on_progress: Callable[[job_files.RunFiles], None] |
                 run = job_files.read_run(plan.run_dir)
                 return Outcome(True, 0, run, None, time.monotonic() - started)
             time.sleep(POLL_SECONDS)
-    except BaseException:
+    except BaseException as exc:
         stop_job(proc, known)
+        if isinstance(exc, InterruptedRunError):  # too late to stop it: every rank had finished
+            run = job_files.read_run(plan.run_dir)
+            if not run.failed() and not unreported(plan, run):
+                name = signal.Signals(exc.exit_code - 128).name
+                return Outcome(True, proc.returncode, run, f"{name} came after every rank had finished; the job's "
+                               "output is complete and nothing was undone", time.monotonic() - started)
         raise

@@ -1,5 +1,5 @@
 """HyperParallel DCP: `.metadata` (or rank-local `{r}.metadata` / legacy `.rank{r}_metadata`)
-plus `_rank{r}_.safetensors` and `.bytes` files (the README's table of formats; the metadata classes:
+plus `_rank{r}_.safetensors` and `.bytes` files (docs/formats.md; the metadata classes:
 `core/codecs/hyperparallel_metadata.py`).
 """
 

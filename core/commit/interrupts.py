@@ -30,7 +30,7 @@ def defer(signum: int) -> None:
 
 
 @contextmanager
-def critical() -> Iterator[None]:
+def critical(when: str = "while it was renamed into place") -> Iterator[None]:
     """Run the block whole. A signal that came meanwhile is acted on when it ends: the block
     completed (the output is in place) -> the run goes on to succeed, with one `warning:` line
     on stderr; the block failed -> its error stops the run (a signal before the block is raised
@@ -46,8 +46,8 @@ def critical() -> Iterator[None]:
     _state["depth"] -= 1
     if _state["depth"] == 0 and _state["pending"] is not None:
         pending, _state["pending"] = _state["pending"], None
-        sys.stderr.write(f"warning: {_name(pending)} came after the output was complete (while it was renamed into "
-                         "place); nothing was undone\n")
+        sys.stderr.write(f"warning: {_name(pending)} came after the output was complete ({when}); nothing was "
+                         "undone\n")
         sys.stderr.flush()
 
 

@@ -244,3 +244,33 @@ def remove_stale_temporaries(directory: Path) -> None:
             if name.startswith(TMP_MARK) and match and match.group(2) and not match.group(1) \
                     and _dead(int(match.group(2))):
                 remove_leftover(folder / name)
+
+
+# -- what a stopped job left for its destination -------------------------------------------------
+
+
+def beside(dest: Path) -> list[Path]:
+    """Every leftover of unfinished runs named after `dest` in its directory: staging directories
+    (a live save's shared one too), an old output moved aside, the lock file."""
+    if is_object(dest):
+        return []
+    dest = Path(dest).absolute()
+    found = [path for path, _aside, _pid in _leftovers_of(dest)]
+    for name in (f".{dest.name}{TMP_MARK}{DIST_MARK}", f".{dest.name}{LOCK_SUFFIX}"):
+        if os.path.lexists(dest.parent / name):
+            found.append(dest.parent / name)
+    return sorted(found)
+
+
+def missing_with_leftovers(dest: Path) -> tuple[str, str] | None:
+    """For a destination that does not exist: `(message, hint)` naming what unfinished runs left
+    beside it and the command that removes it, or None when nothing was left."""
+    found = beside(dest)
+    if not found:
+        return None
+    live = [p for p in found if p.name.endswith(LOCK_SUFFIX) and (pid := holder(p)) is not None and _alive(pid)]
+    names = ", ".join(p.name for p in found)
+    message = f"{dest}: no such file or directory; an unfinished hpckpt run left {names} beside it"
+    if live:
+        return message, f"that run (pid {holder(live[0])}) is still running: wait for it to finish"
+    return message, "remove them with `rm -r " + " ".join(shlex.quote(str(p)) for p in found) + "`, or rerun the command"

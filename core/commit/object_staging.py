@@ -21,7 +21,7 @@ lets a reader take an incomplete checkpoint for a complete one.
 
 With a store that ignores conditional writes, two writers are still told apart by reading the
 mark back (the later writer's content replaces the earlier's), but not in every interleaving:
-README, "Object storage".
+docs/object-storage.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One bucket of an object store, through obstore (the Python binding of the Rust `object_store`
 crate): ranged reads issued concurrently, multipart uploads in parallel, conditional creates,
-S3, GCS and Azure in one package, with retries and backoff built in (README, "Object storage").
+S3, GCS and Azure in one package, with retries and backoff built in (docs/object-storage.md).
 
 Settings come from the standard places: `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
 `AWS_SESSION_TOKEN`, `AWS_REGION`, `AWS_ENDPOINT_URL` (an `http://` endpoint is allowed as given),

@@ -9,7 +9,7 @@ interpreter began to finalize (a script that returns right after a collective, w
 group still alive: FSDP2 keeps it alive past `destroy_process_group()`), CPython 3.11 ends the
 worker with `pthread_exit`, whose unwinding through the work's noexcept destructor aborts the
 process ("terminate called without an active exception"). Settled, hpckpt's collectives are
-never the ones pending at exit. The README ("Clean exits") tells the whole story.
+never the ones pending at exit. docs/library.md ("Clean exits") tells the whole story.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ def _start_torch(world_size: int) -> tuple[int, int]:
 
     `torch.distributed.nn` is imported first: its functions take the default group as a default
     argument, so imported later (by torch DCP, FSDP) they would hold the group past
-    `destroy_process_group()`, and gloo's threads with it (README, "Clean exits")."""
+    `destroy_process_group()`, and gloo's threads with it (docs/library.md, "Clean exits")."""
     import torch.distributed as tdist
     import torch.distributed.nn  # noqa: F401 - see above
 
@@ -119,7 +119,7 @@ def _stop_framework(framework: str) -> None:
     else holds it; then the collection below finds it gone. If something still does (FSDP2's
     state), gloo's threads live on and may still release a finished collective's tensors, which
     takes the GIL: the process lets them do it before the interpreter finalizes, since a thread
-    that takes the GIL after that aborts the process (README, "Clean exits")."""
+    that takes the GIL after that aborts the process (docs/library.md, "Clean exits")."""
     try:
         if framework == "torch":
             import gc

@@ -39,7 +39,7 @@ from hpckpt.core.geometry.layout.placements import RULES, Placement, RaggedShard
 from hpckpt.core.geometry.layout.ragged import decompose_flat_interval
 from hpckpt.core.geometry.layout.rules import RULES_FILE_EXAMPLE, load_rules, pattern_matches
 from hpckpt.core.geometry.layout.spec import LayoutSpec
-from hpckpt.core.geometry.layout.tensor_layout import TensorLayout, from_tensor_map
+from hpckpt.core.geometry.layout.tensor_layout import TensorLayout, from_tensor_map, to_tensor_map
 from hpckpt.core.geometry.layout.text import parse_mesh, parse_placements
 from hpckpt.core.safety.rules_file import check_table_keys
 

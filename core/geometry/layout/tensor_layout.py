@@ -183,6 +183,25 @@ def from_tensor_map(
     return TensorLayout(mesh, tuple(placements), tuple(order))
 
 
+def to_tensor_map(layout: TensorLayout, ndim: int) -> list[int | list[int]]:
+    """The MindSpore/HyperParallel `tensor_map` of `layout` for a tensor of `ndim` dims: the
+    inverse of `from_tensor_map` (mesh dims counted from the right, -1 where a dim is not split,
+    a list where several mesh dims split one, outermost first).
+
+    Raises:
+        GeometryError: a placement no tensor_map can say (a RaggedShard).
+    """
+    order = layout.order or tuple(range(layout.mesh.ndim))
+    entries: list[list[int]] = [[] for _ in range(ndim)]
+    for k in order:
+        p = layout.placements[k]
+        if isinstance(p, RaggedShard):
+            raise GeometryError(f"a ragged placement ({p}) has no tensor_map")
+        if isinstance(p, Shard) and p.dim < ndim:
+            entries[p.dim].append(layout.mesh.ndim - 1 - k)
+    return [-1 if not e else e[0] if len(e) == 1 else e for e in entries]
+
+
 def _entry_dims(entry: int | Sequence[int]) -> list[int]:
     """The mesh-dim numbers (from the right) of one tensor_map entry, -1s dropped."""
     items = [entry] if isinstance(entry, int) else list(entry)
