@@ -101,13 +101,15 @@ def _ranges(ranks: list[int | None]) -> str:
 
 
 def inspect(path: str | Path, select: Selection = Selection(), shards: Iterable[str] = (),
-            decode_values: bool = True, use_cache: bool = True, summary_only: bool = False) -> InspectReport:
+            decode_values: bool = True, use_cache: bool = True, summary_only: bool = False,
+            index: CheckpointIndex | None = None) -> InspectReport:
     """Describe a checkpoint: format, world size, files, tensors (with their inferred layout)
     and values, and a summary (by dtype, by layout, ranks grouped by what they store). With
     `summary_only` the tensors and values are not listed one by one (nor values decoded).
     `shards` globs select tensors whose chunk boxes are listed per rank and file.
-    Large HyperParallel indexes are cached after the first run (see converters.index_cache)."""
-    index = open_index(path, use_cache=use_cache)
+    Large HyperParallel indexes are cached after the first run (see converters.index_cache);
+    `index` is the checkpoint's when the caller has opened it already."""
+    index = index if index is not None else open_index(path, use_cache=use_cache)
     layouts = inferred_layouts(index)
     names = select.names(index.tensors)
     tensors = () if summary_only else tuple(

@@ -14,6 +14,8 @@ EXAMPLES = """Examples:
 
   hpckpt inspect ckpt/                          summary, tensors and values
   hpckpt inspect ckpt/ --summary                counts by dtype and layout, ranks grouped
+  hpckpt inspect ckpt/ --map '*embed*'          a tensor's boxes as a grid coloured by rank
+  hpckpt inspect ckpt/ --html map.html          the shard map as a page for a browser
   hpckpt inspect ckpt/ --include 'model.*'      only the model
   hpckpt inspect ckpt/ --shards '*embed*'       chunk boxes per rank and file
   hpckpt inspect ckpt/ --json | jq .counts      one JSON document (docs/commands.md)
@@ -30,20 +32,55 @@ def inspect(
     no_values: bool = typer.Option(False, "--no-values", help="Do not read and decode non-tensor values."),
     summary: bool = typer.Option(False, "--summary", help="Counts, bytes, dtypes, layouts and one line per group "
                                  "of ranks that store alike; no line per tensor or value."),
+    map_names: Optional[List[str]] = typer.Option(None, "--map", "-m", metavar="NAME", help="Draw the stored boxes of "
+                                                  "this tensor (a glob: the first 8 matches) as a grid coloured by rank."),
+    html: Optional[Path] = typer.Option(None, "--html", metavar="FILE", help="Also write a self-contained HTML page: "
+                                        "the shard map of every tensor, searchable, and the bytes of every rank."),
 ) -> None:
     """Show the format, world size, files, tensors (dtype, shape, chunks) and values of a checkpoint."""
     from hpckpt import api
     from hpckpt.cli import _output
     from hpckpt.cli._progress import TerminalProgress
+    from hpckpt.converters import open_index
 
+    select = api.Selection.of(include, exclude)
     with TerminalProgress("inspect") as progress:
         progress.phase(f"reading metadata of {path}")
-        report = api.inspect(path, api.Selection.of(include, exclude), shards or (), decode_values=not no_values,
-                             summary_only=summary)
+        index = open_index(path, use_cache=True)
+        report = api.inspect(path, select, shards or (), decode_values=not no_values,
+                             summary_only=summary or bool(map_names), index=index)
+        doc = report.to_json()
+        if html is not None:
+            progress.phase(f"writing {html}")
+            size = _write_html(html, index, doc, select, (map_names or [None])[0])
     if _output.json_mode():
-        _output.emit_json(report.to_json())
-    else:
-        render(report.to_json())
+        if html is not None:
+            doc["html"] = {"path": str(html), "bytes": size}
+        _output.emit_json(doc)
+        return
+    render(doc)
+    if map_names:
+        from hpckpt.cli.shard_map_text import draw
+
+        draw(index, map_names)
+    if html is not None:
+        _output.result_line(f"wrote {html} ({_output.human_bytes(size)})")
+
+
+def _write_html(path: Path, index, doc: dict, select, selected: str | None) -> int:
+    """The shard map page of the selected tensors (`cli.html`, `shard_map.js`)."""
+    from hpckpt.api.shard_map import shard_map
+    from hpckpt.cli.html import map_document, write_page
+
+    data = shard_map(index, select.names(index.tensors))
+    world = doc["world_size"]
+    meta = {"title": f"{doc['path']}: shard map",
+            "facts": [f"{doc['format']} {doc['format_version']}", f"world size {world or '-'}",
+                      f"{doc['counts']['tensors']} tensors in {doc['counts']['chunks']} chunks",
+                      f"{doc['counts']['values']} values"],
+            "selected": selected or ""}
+    document = {"kind": "inspect", "meta": meta, "maps": [map_document(data)]}
+    return write_page(path, meta["title"], "shard_map.js", document)
 
 
 def render(doc: dict) -> None:

@@ -44,12 +44,17 @@ def reshard(
     write: ParallelWrite = ParallelWrite(),
     dry_run: Annotated[bool, typer.Option(
         "--plan", "--dry-run", help="Print what each target rank reads and writes; copy nothing.")] = False,
+    html: Annotated[Optional[Path], typer.Option(
+        "--html", metavar="FILE", help="With --plan: also write the plan as a self-contained page (source and "
+        "target shard maps side by side, what each target rank writes, reads and opens).")] = None,
 ) -> None:
     """Reshard a checkpoint to a new world size or layout (output: HyperParallel DCP, or --to's format)."""
     from hpckpt import api
     from hpckpt.cli import _output, _targets
     from hpckpt.cli._progress import TerminalProgress
 
+    if html is not None and not dry_run:
+        raise typer.BadParameter("--html goes with --plan (the plan's page)", param_hint="--html")
     if finalize:
         if src is None:
             raise typer.BadParameter("--finalize needs the destination directory")
@@ -74,11 +79,39 @@ def reshard(
             report = api.reshard(src, out, spec, select=select.selection(), ranks=ranks,
                                  framework=framework, dtype=dtype, settings=settings, dry_run=dry_run, index=index,
                                  to=to, keep_replicas=keep_replicas)
+            if html is not None:
+                progress.phase(f"writing {html}")
+                page = {"path": str(html), "bytes": _write_plan_page(
+                    html, src, index, spec, to, dtype, keep_replicas, select.selection(), report)}
     _output.warn_skipped(report)
     if _output.json_mode():
-        _output.emit_json(report.to_json())
+        _output.emit_json({**report.to_json(), **({"html": page} if html is not None else {})})
     else:
         render(report)
+        if html is not None:
+            _output.result_line(f"wrote {html} ({_output.human_bytes(page['bytes'])})")
+
+
+def _write_plan_page(path: Path, src, index, spec, to: str, dtype, keep_replicas: bool, selection, report) -> int:
+    """The plan's page (`api.plan_view`, drawn by `cli/html/shard_map.js`)."""
+    from hpckpt.api import pipeline
+    from hpckpt.api.plan_view import plan_view
+    from hpckpt.cli.html import column, map_document, write_page
+    from hpckpt.converters import format_named
+
+    target = pipeline.Target(format_named(to), spec, None, None, dtype, every_replica=keep_replicas)
+    names = None if selection.everything else selection.names([*index.tensors, *index.values])
+    view = plan_view(index, target, names)
+    plan = report["plan"]
+    meta = {"title": f"{src} -> {report['destination']}: plan",
+            "facts": [f"{index.format} -> {report['format']}", f"{plan['world_size']} target ranks",
+                      f"writes {plan['bytes']:,} B in {plan['files']} files"], "selected": ""}
+    document = {"kind": "plan", "meta": meta,
+                "maps": [map_document(view["source"], f"source ({index.format})"),
+                         map_document(view["target"], f"target ({report['format']}, {plan['world_size']} ranks)")],
+                "plan": {"ranks": view["ranks"], "files": view["files"], "touched": column(view["touched"]),
+                         "touched_start": column(view["touched_start"])}}
+    return write_page(path, meta["title"], "shard_map.js", document)
 
 
 def render(report) -> None:

@@ -14,11 +14,11 @@ _hpckpt_commands() {
 _hpckpt_options() {
     case $1 in
         hpckpt) _hpckpt_words=(--debug --json --quiet -q --no-progress --version --help -h) ;;
-        'hpckpt inspect') _hpckpt_words=(--include -i --exclude -x --shards -s --no-values --summary --json --quiet -q --no-progress --debug --help -h) ;;
+        'hpckpt inspect') _hpckpt_words=(--include -i --exclude -x --shards -s --no-values --summary --map -m --html --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt verify') _hpckpt_words=(--strict --deep --nan --jobs -j --verbose -v --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt diff') _hpckpt_words=(--names --atol --rtol --allow-dtype --include -i --exclude -x --max-memory --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt checksum') _hpckpt_words=(--force --jobs -j --json --quiet -q --no-progress --debug --help -h) ;;
-        'hpckpt reshard') _hpckpt_words=(--output -o --to -t --world-size -w --split --mesh --placements --layout-rules --layout-file --keep-layout --rank -r --finalize --include -i --exclude -x --dtype --framework --keep-replicas --jobs -j --max-memory --no-fsync --force --parents --no-manifest --dry-run --plan --json --quiet -q --no-progress --debug --help -h) ;;
+        'hpckpt reshard') _hpckpt_words=(--output -o --to -t --world-size -w --split --mesh --placements --layout-rules --layout-file --keep-layout --rank -r --finalize --include -i --exclude -x --dtype --framework --keep-replicas --jobs -j --max-memory --no-fsync --force --parents --no-manifest --dry-run --plan --html --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt consolidate') _hpckpt_words=(--output -o --format -f --include -i --exclude -x --dtype --max-shard-size --jobs -j --max-memory --no-fsync --force --parents --no-manifest --skip-unsupported --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt convert') _hpckpt_words=(--output -o --to -t --world-size -w --split --mesh --placements --layout-rules --layout-file --framework --names --dtype --include -i --exclude -x --max-shard-size --crc --jobs -j --max-memory --no-fsync --force --parents --no-manifest --skip-unsupported --keep-replicas --dry-run --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt convert-ms-torch') _hpckpt_words=(--output -o --to --to-format --name-rules --no-preset --dtype --include -i --exclude -x --crc --max-memory --no-fsync --force --parents --no-manifest --skip-unsupported --dry-run --json --quiet -q --no-progress --debug --help -h) ;;
@@ -40,6 +40,8 @@ _hpckpt_value() {
         'hpckpt inspect --include'|'hpckpt inspect -i') _hpckpt_kind=none ;;
         'hpckpt inspect --exclude'|'hpckpt inspect -x') _hpckpt_kind=none ;;
         'hpckpt inspect --shards'|'hpckpt inspect -s') _hpckpt_kind=none ;;
+        'hpckpt inspect --map'|'hpckpt inspect -m') _hpckpt_kind=none ;;
+        'hpckpt inspect --html') _hpckpt_kind=file ;;
         'hpckpt verify --jobs'|'hpckpt verify -j') _hpckpt_kind=none ;;
         'hpckpt diff --names') _hpckpt_kind=none ;;
         'hpckpt diff --atol') _hpckpt_kind=none ;;
@@ -63,6 +65,7 @@ _hpckpt_value() {
         'hpckpt reshard --framework') _hpckpt_kind=choice _hpckpt_words=(torch mindspore) ;;
         'hpckpt reshard --jobs'|'hpckpt reshard -j') _hpckpt_kind=none ;;
         'hpckpt reshard --max-memory') _hpckpt_kind=none ;;
+        'hpckpt reshard --html') _hpckpt_kind=file ;;
         'hpckpt consolidate --output'|'hpckpt consolidate -o') _hpckpt_kind=file ;;
         'hpckpt consolidate --format'|'hpckpt consolidate -f') _hpckpt_kind=choice _hpckpt_words=(hyperparallel hp torch-dcp mindformers mf hf-sharded hf mindspore-ckpt ms ckpt safetensors torch-save pt) ;;
         'hpckpt consolidate --include'|'hpckpt consolidate -i') _hpckpt_kind=none ;;

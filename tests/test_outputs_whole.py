@@ -136,9 +136,14 @@ def test_an_existing_sidecar_is_part_of_the_destination(src, tmp_path):
     out = tmp_path / "model.safetensors"
     sidecar = tmp_path / "model.values.json"
     sidecar.write_text('{"step": {"type": "int", "value": 1}}\n')
+    out.write_bytes(b"")  # the file of that sidecar: replacing the output replaces both
     result = cli("consolidate", src, "-o", out)
-    assert result.exit_code == 14 and str(sidecar) in result.stderr, result.stderr
-    assert not out.exists() and sidecar.read_text().startswith('{"step"')
+    assert result.exit_code == 14 and str(out) in result.stderr, result.stderr
+    assert sidecar.read_text().startswith('{"step"')
+    out.unlink()  # a sidecar of ours whose file is gone describes nothing: replaced, no --force needed
+    assert cli("consolidate", src, "-o", out).exit_code == 0
+    assert api.verify(out)["exit_code"] == 0 and '"step"' not in sidecar.read_text()
+    sidecar.write_text('{"step": {"type": "int", "value": 1}}\n')
     assert cli("consolidate", src, "-o", out, "--force").exit_code == 0  # a values sidecar: replaced
     assert api.verify(out)["exit_code"] == 0 and '"step"' not in sidecar.read_text()
     # a new output without values takes the old sidecar away with the old file

@@ -165,7 +165,7 @@ def _leftovers_of(dest: Path) -> list[tuple[Path, bool, int]]:
     prefix = f".{dest.name}{TMP_MARK}"
     try:
         names = os.listdir(dest.parent)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
     found = []
     for name in names:

@@ -18,12 +18,14 @@ from hpckpt.core.index import CheckpointIndex
 
 @dataclass(frozen=True)
 class RankStats:
-    """One target rank's share: bytes it writes, bytes it reads and how many source files."""
+    """One target rank's share: bytes it writes, bytes it reads, how many source files (and
+    which: `files`)."""
 
     rank: int
     bytes_written: int
     bytes_read: int
     source_files: int
+    files: tuple[str, ...] = ()
 
 
 def rank_stats(plan: Plan, index: CheckpointIndex) -> list[RankStats]:
@@ -61,5 +63,5 @@ def rank_stats(plan: Plan, index: CheckpointIndex) -> list[RankStats]:
         file_of = dict(zip(hit.tolist(), entry.chunk_files(hit.tolist())))
         for rank, chunk in set(zip(piece_ranks.tolist(), pieces.chunk.tolist())):
             files[rank].add(file_of[chunk])
-    return [RankStats(rank, written[rank], read[rank], len(files[rank]))
+    return [RankStats(rank, written[rank], read[rank], len(files[rank]), tuple(sorted(files[rank])))
             for rank in sorted(plan.by_rank) if rank in producing]

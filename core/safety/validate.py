@@ -195,6 +195,12 @@ def _check_tensor(index: CheckpointIndex, entry: TensorEntry, bad_files: set[str
     findings.extend(_coverage(entry, inside))
 
 
+def coverage(entry: TensorEntry) -> list[Finding]:
+    """The gaps and overlaps of one tensor's stored boxes (`geometry` findings, their `boxes`
+    naming each region as `[0:2, 4:8]`, at most a few per finding): what a shard map marks."""
+    return _coverage(entry, [b for b in entry.boxes if b.inside(entry.shape)])
+
+
 def _coverage(entry: TensorEntry, boxes: list[Box]) -> list[Finding]:
     shape = entry.shape
     if not shape:
