@@ -33,6 +33,39 @@ from hpckpt.core.io.read import OpenFiles, read_box
 from hpckpt.core.safety.validate import refuse_interrupted
 
 DEFAULT_MAX_MEMORY = 64 * 1024 * 1024
+GRID = 32  # cells per side of a tensor's error map (`diff --html`)
+
+
+class ErrorGrid:
+    """Where one tensor's two sides differ, reduced onto at most GRID x GRID cells: dim 0 down,
+    the other dims (flattened, row-major) across; per cell the largest absolute and relative
+    error and how many elements lie outside the tolerances. Filled block by block as the diff
+    reads, so it costs no second read."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        rows = shape[0] if shape else 1
+        columns = math.prod(shape[1:]) if len(shape) > 1 else 1
+        self.row_edges = np.unique(np.linspace(0, rows, min(GRID, rows) + 1).round().astype(np.int64))
+        self.col_edges = np.unique(np.linspace(0, columns, min(GRID, columns) + 1).round().astype(np.int64))
+        cells = (len(self.row_edges) - 1, len(self.col_edges) - 1)
+        self.max_abs, self.max_rel = np.zeros(cells), np.zeros(cells)
+        self.differing = np.zeros(cells, np.int64)
+
+    def add(self, start: int, err: np.ndarray, rel: np.ndarray, outside: np.ndarray) -> None:
+        """The errors of rows `start..` (arrays of the block's shape)."""
+        n = err.shape[0] if err.ndim else 1
+        cells = np.searchsorted(self.row_edges, np.arange(start, start + n), "right") - 1
+        at = self.col_edges[:-1]
+        for target, values, reduce in ((self.max_abs, err, np.maximum), (self.max_rel, rel, np.maximum),
+                                       (self.differing, outside.astype(np.int64), np.add)):
+            per_cell = reduce.reduceat(values.reshape(n, -1), at, axis=1)
+            reduce.at(target, cells, per_cell)
+
+    def to_json(self) -> dict:
+        return {"row_edges": self.row_edges.tolist(), "col_edges": self.col_edges.tolist(),
+                "max_abs": [[_finite(x) for x in row] for row in self.max_abs.tolist()],
+                "max_rel": [[_finite(x) for x in row] for row in self.max_rel.tolist()],
+                "differing": self.differing.tolist()}
 
 
 @dataclass
@@ -50,6 +83,7 @@ class TensorDiff:
     differing: int = 0  # elements outside the tolerances
     max_abs: float = 0.0
     max_rel: float = 0.0
+    grid: ErrorGrid | None = None  # where they differ (`diff(..., grids=True)`), not in to_json
 
     def to_json(self) -> dict:
         return {"name": self.name, "status": self.status, "dtype": [self.dtype_a, self.dtype_b],
@@ -114,7 +148,7 @@ def _values_of(raw: np.ndarray, entry: TensorEntry) -> np.ndarray:
 
 
 def _compare(name: str, ea: TensorEntry, eb: TensorEntry, ia: CheckpointIndex, ib: CheckpointIndex,
-             fa: OpenFiles, fb: OpenFiles, atol: float, rtol: float, budget: int) -> TensorDiff:
+             fa: OpenFiles, fb: OpenFiles, atol: float, rtol: float, budget: int, grids: bool = False) -> TensorDiff:
     out = TensorDiff(name, ea.dtype.name, eb.dtype.name, tuple(ea.shape), tuple(eb.shape))
     if out.shape_a != out.shape_b:
         out.status = "shape"
@@ -146,6 +180,8 @@ def _compare(name: str, ea: TensorEntry, eb: TensorEntry, ia: CheckpointIndex, i
             mismatched_specials = ~both & ~close
             if mismatched_specials.any():
                 out.max_abs = out.max_rel = math.inf
+                err = np.where(mismatched_specials, np.inf, err)
+                rel = np.where(mismatched_specials, np.inf, rel)
         else:
             err = np.abs(va - vb).astype(np.float64)
             close = err <= atol + rtol * np.abs(vb)
@@ -153,6 +189,10 @@ def _compare(name: str, ea: TensorEntry, eb: TensorEntry, ia: CheckpointIndex, i
         out.differing += int(close.size - np.count_nonzero(close))
         out.max_abs = max(out.max_abs, float(err.max(initial=0.0)))
         out.max_rel = max(out.max_rel, float(rel.max(initial=0.0)))
+        if grids:
+            if out.grid is None:
+                out.grid = ErrorGrid(shape)
+            out.grid.add(start, err, rel, ~close)
     if bitwise:
         out.status = "identical"
     else:
@@ -177,10 +217,11 @@ def _selected_b(index_a: CheckpointIndex, index_b: CheckpointIndex, view_a: Chec
 
 def diff(a: str | Path, b: str | Path, *, names: Any = None, select: Selection = Selection(), atol: float = 0.0,
          rtol: float = 0.0, allow_dtype: bool = False, max_memory: int = DEFAULT_MAX_MEMORY,
-         progress: Any = None) -> DiffReport:
+         progress: Any = None, grids: bool = False) -> DiffReport:
     """Compare checkpoints `a` and `b` (any formats). `names`: rules or a preset renaming `a`'s
     entries to `b`'s names first (as `convert --names`); `allow_dtype`: a dtype change alone is
-    not a difference (the values are still compared).
+    not a difference (the values are still compared); `grids`: each differing tensor keeps where
+    it differs (`TensorDiff.grid`, what `diff --html` draws).
 
     Raises:
         HpckptError: either checkpoint cannot be read (its documented error).
@@ -207,7 +248,7 @@ def diff(a: str | Path, b: str | Path, *, names: Any = None, select: Selection =
         with OpenFiles() as fa, OpenFiles() as fb:
             for name in common:
                 ea, eb = view_a.tensors[name], view_b.tensors[name]
-                report.tensors.append(_compare(name, ea, eb, view_a, view_b, fa, fb, atol, rtol, max_memory))
+                report.tensors.append(_compare(name, ea, eb, view_a, view_b, fa, fb, atol, rtol, max_memory, grids))
                 if progress is not None:
                     progress.advance(ea.nbytes)
         for name in (n for n in view_a.values if n in view_b.values):

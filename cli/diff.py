@@ -35,6 +35,9 @@ def diff(
     allow_dtype: Annotated[bool, typer.Option("--allow-dtype", help="A dtype change alone is no difference.")] = False,
     select: Select = Select(),
     max_memory: opt.MaxMemory = "64MiB",
+    html: Annotated[Optional[Path], typer.Option(
+        "--html", metavar="FILE", help="Also write a self-contained page: per tensor, where the two differ "
+        "(blocks coloured by error, numbers on hover).")] = None,
 ) -> None:
     """Compare two checkpoints entry by entry; exit 0 when equal within the tolerances, 25 when not."""
     from hpckpt import api
@@ -50,17 +53,40 @@ def diff(
     with TerminalProgress("diff") as progress:
         progress.phase(f"comparing {a} and {b}")
         report = compare(a, b, names=rules, select=select.selection(), atol=atol, rtol=rtol,
-                         allow_dtype=allow_dtype, max_memory=api.parse_size(max_memory), progress=progress)
+                         allow_dtype=allow_dtype, max_memory=api.parse_size(max_memory), progress=progress,
+                         grids=html is not None)
     doc = report.to_json()
+    if html is not None:
+        doc["html"] = {"path": str(html), "bytes": _write_page(html, report, doc)}
     if _output.json_mode():
         _output.emit_json(doc)
     else:
         render(doc)
+        if html is not None:
+            _output.result_line(f"wrote {html} ({_output.human_bytes(doc['html']['bytes'])})")
     raise typer.Exit(0 if doc["equal"] else DIFFER)
 
 
 def _number(x) -> str:
     return x if isinstance(x, str) else f"{x:.3g}"
+
+
+def _write_page(path: Path, report, doc: dict) -> int:
+    """The diff's page (`cli/html/diff.js`): every compared tensor with its error blocks."""
+    from hpckpt.cli.html import write_page
+
+    tensors = [[t.name, t.status, t.dtype_a, t.dtype_b, list(t.shape_a), t.differing, j["max_abs"], j["max_rel"],
+                t.grid.to_json() if t.grid is not None else None]
+               for t, j in zip(report.tensors, doc["tensors"])]
+    counts = ", ".join(f"{n} {status}" for status, n in sorted(doc["counts"].items()))
+    meta = {"title": f"{doc['a']} vs {doc['b']}: {'equal' if doc['equal'] else 'DIFFERENT'}",
+            "facts": [f"{doc['format'][0]} vs {doc['format'][1]}", counts or "no tensor in common",
+                      f"atol {doc['atol']}, rtol {doc['rtol']}", f"only in A: {len(doc['only_a'])}, only in B: "
+                      f"{len(doc['only_b'])}"],
+            "selected": next((t[0] for t in tensors if t[1] in ("differ", "shape")), "")}
+    document = {"kind": "diff", "meta": meta, "tensors": tensors, "only_a": doc["only_a"], "only_b": doc["only_b"],
+                "values": doc["values"]}
+    return write_page(path, meta["title"], "diff.js", document)
 
 
 def render(doc: dict) -> None:

@@ -16,7 +16,7 @@ _hpckpt_options() {
         hpckpt) _hpckpt_words=(--debug --json --quiet -q --no-progress --version --help -h) ;;
         'hpckpt inspect') _hpckpt_words=(--include -i --exclude -x --shards -s --no-values --summary --map -m --html --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt verify') _hpckpt_words=(--strict --deep --nan --jobs -j --verbose -v --json --quiet -q --no-progress --debug --help -h) ;;
-        'hpckpt diff') _hpckpt_words=(--names --atol --rtol --allow-dtype --include -i --exclude -x --max-memory --json --quiet -q --no-progress --debug --help -h) ;;
+        'hpckpt diff') _hpckpt_words=(--names --atol --rtol --allow-dtype --include -i --exclude -x --max-memory --html --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt checksum') _hpckpt_words=(--force --jobs -j --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt reshard') _hpckpt_words=(--output -o --to -t --world-size -w --split --mesh --placements --layout-rules --layout-file --keep-layout --rank -r --finalize --include -i --exclude -x --dtype --framework --keep-replicas --jobs -j --max-memory --no-fsync --force --parents --no-manifest --dry-run --plan --html --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt consolidate') _hpckpt_words=(--output -o --format -f --include -i --exclude -x --dtype --max-shard-size --jobs -j --max-memory --no-fsync --force --parents --no-manifest --skip-unsupported --json --quiet -q --no-progress --debug --help -h) ;;
@@ -49,6 +49,7 @@ _hpckpt_value() {
         'hpckpt diff --include'|'hpckpt diff -i') _hpckpt_kind=none ;;
         'hpckpt diff --exclude'|'hpckpt diff -x') _hpckpt_kind=none ;;
         'hpckpt diff --max-memory') _hpckpt_kind=none ;;
+        'hpckpt diff --html') _hpckpt_kind=file ;;
         'hpckpt checksum --jobs'|'hpckpt checksum -j') _hpckpt_kind=none ;;
         'hpckpt reshard --output'|'hpckpt reshard -o') _hpckpt_kind=file ;;
         'hpckpt reshard --to'|'hpckpt reshard -t') _hpckpt_kind=choice _hpckpt_words=(hyperparallel hp torch-dcp mindformers mf) ;;

@@ -59,6 +59,7 @@ complete -c hpckpt -n '__fish_seen_subcommand_from diff' -l allow-dtype -d 'A dt
 complete -c hpckpt -n '__fish_seen_subcommand_from diff' -l include -s i -x -d 'Only entries matching (repeatable).'
 complete -c hpckpt -n '__fish_seen_subcommand_from diff' -l exclude -s x -x -d 'Leave out entries matching (repeatable).'
 complete -c hpckpt -n '__fish_seen_subcommand_from diff' -l max-memory -x -d 'Memory budget for copy buffers.'
+complete -c hpckpt -n '__fish_seen_subcommand_from diff' -l html -r -F -d 'Also write a self-contained page: per tensor, where the two differ (blocks coloured by error, numbers on hover).'
 complete -c hpckpt -n '__fish_seen_subcommand_from diff' -l json -d 'Print one JSON document (also before the command).'
 complete -c hpckpt -n '__fish_seen_subcommand_from diff' -l quiet -s q -d 'No progress and no informational lines; warnings about lost data are still printed.'
 complete -c hpckpt -n '__fish_seen_subcommand_from diff' -l no-progress -d 'No progress display on stderr.'

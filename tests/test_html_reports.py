@@ -185,3 +185,38 @@ def test_the_plan_page_shows_both_layouts_and_what_each_target_rank_reads(tmp_pa
     assert f"read amplification {doc['plan']['bytes_read'] / doc['plan']['bytes']:.2f}" in dom
     out = hpckpt("reshard", root, "-o", tmp_path / "out", "--world-size", "2", "--html", page, code=2)
     assert "--html goes with --plan" in out
+
+
+def test_the_diff_page_shows_where_two_checkpoints_differ(tmp_path):
+    """`diff --html`: each differing tensor as blocks coloured by error, with the numbers; the
+    blocks hold exactly the elements the diff counted outside the tolerances."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    a = {"w": rng.standard_normal((64, 48)).astype(np.float32), "same": np.arange(6, dtype=np.int64)}
+    b = {k: v.copy() for k, v in a.items()}
+    b["w"][10:20, 5:9] += 0.5  # 40 elements outside atol
+    b["w"][40, 40] += 1e-4  # inside it
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file(b, str(tmp_path / "b.safetensors"))
+    page = tmp_path / "diff.html"
+    result = runner.invoke(app, ["diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"), "--atol",
+                                 "1e-3", "--html", str(page), "--json"])
+    assert result.exit_code == 25, result.output
+    doc = json.loads(result.stdout)
+    assert doc["html"]["bytes"] == page.stat().st_size
+    dom = render(page.as_uri(), profile=tmp_path / "profile", screenshot=tmp_path / "diff.png", size="1000,700")
+    assert 'data-ready="true"' in dom and 'data-tensor="w"' in dom  # opens on the first tensor that differs
+    cells = rects(dom, "cell")
+    assert len(cells) == 32 * 32
+    outside = [c for c in cells if int(c["data-differing"])]
+    assert sum(int(c["data-differing"]) for c in cells) == 40
+    assert all(abs(float(c["data-max-abs"]) - 0.5) < 1e-6 for c in outside)  # (+0.5 in float32)
+    rows = {int(c["data-row"]) for c in outside}
+    assert rows == {5, 6, 7, 8, 9}  # rows 10:20 of 64, two a block
+    within = [c for c in cells if float(c["data-max-abs"]) > 0 and not int(c["data-differing"])]
+    assert len(within) == 1 and int(within[0]["data-row"]) == 20  # row 40: inside the tolerance
+    dom = render(f"{page.as_uri()}#t=same", profile=tmp_path / "profile")
+    assert "every byte equal (identical)" in dom and not rects(dom, "cell")
+    seen = colours(tmp_path / "diff.png")
+    assert len(seen) > 4

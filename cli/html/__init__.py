@@ -40,7 +40,7 @@ def _asset(name: str) -> str:
 
 
 def page(title: str, script: str, document: dict) -> str:
-    """The whole page: `script` (a file of this package) draws it from `document`."""
+    """The whole page: `script` (a file of this package, after `common.js`) draws it from `document`."""
     from html import escape
 
     return ("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
@@ -48,7 +48,7 @@ def page(title: str, script: str, document: dict) -> str:
             "style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:; connect-src data: blob:\">"
             f"<title>{escape(title)}</title><style>{_asset('page.css')}</style></head>\n<body>\n"
             f"<script id=\"data\" type=\"application/json\">{_inline_json(document)}</script>\n"
-            f"<script>{_asset(script)}</script>\n</body></html>\n")
+            f"<script>{_asset('common.js')}\n{_asset(script)}</script>\n</body></html>\n")
 
 
 def write_page(path: Path, title: str, script: str, document: dict) -> int:

@@ -1,60 +1,8 @@
 // The shard map page: one tensor's global shape drawn with every stored box, coloured by the rank
 // holding it (replicas outlined and counted, gaps hatched, overlaps framed in red), a search over
 // tensor names, and the bytes each rank stores. A plan's page draws the source's and the target's
-// maps side by side, and what each target rank writes, reads and opens. Everything comes from the JSON in #data; nothing
-// is fetched. Names from a checkpoint only ever reach the page as text (textContent), never as markup.
-"use strict";
-
-const SVG = "http://www.w3.org/2000/svg";  // the namespace name, not an address anything loads
-
-async function inflate(b64, Type) {
-  const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
-  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("deflate"));
-  return new Type(await new Response(stream).arrayBuffer());
-}
-
-function colour(rank) {
-  if (rank < 0) return "#9aa3ad";
-  return `hsl(${(210 + rank * 137.508) % 360}, 62%, ${48 + (rank % 3) * 8}%)`;
-}
-
-function human(n) {
-  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
-  let i = 0;
-  while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
-  return (i ? n.toFixed(1) : String(n)) + " " + units[i];
-}
-
-function el(tag, attrs = {}, text = null, ns = null) {
-  const node = ns ? document.createElementNS(ns, tag) : document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
-  if (text !== null) node.textContent = text;
-  return node;
-}
-
-function region(offsets, sizes) {
-  return "[" + offsets.map((o, d) => `${o}:${o + sizes[d]}`).join(", ") + "]";
-}
-
-function parseRegion(text) {  // "[0:2, 4:8]" -> [[0, 4], [2, 4]]
-  const parts = text.replace(/[\[\]]/g, "").split(",").map((p) => p.trim().split(":").map(Number));
-  return [parts.map((p) => p[0]), parts.map((p) => p[1] - p[0])];
-}
-
-const tip = el("div", { id: "tip" });
-function showTip(event, text) {
-  tip.textContent = text;
-  tip.style.display = "block";
-  tip.style.left = event.clientX + 12 + "px";
-  tip.style.top = event.clientY + 12 + "px";
-}
-function hideTip() { tip.style.display = "none"; }
-function tipped(node, text) {
-  node.addEventListener("mousemove", (e) => showTip(e, text));
-  node.addEventListener("mouseleave", hideTip);
-  node.appendChild(el("title", {}, text, SVG));
-  return node;
-}
+// maps side by side, and what each target rank writes, reads and opens. Everything comes from the
+// JSON in #data (common.js); nothing is fetched.
 
 // The two dims drawn: those split into the most pieces (rows, then columns), in tensor order.
 function shownDims(shape, offsets, n) {
@@ -220,57 +168,19 @@ async function main() {
     data.plan.touched = await inflate(data.plan.touched, Int32Array);
     data.plan.touchedStart = await inflate(data.plan.touched_start, Int32Array);
   }
-  document.body.appendChild(tip);
-  const header = el("header");
-  header.appendChild(el("h1", {}, data.meta.title));
-  const facts = el("div", { class: "facts" });
-  for (const t of data.meta.facts) facts.appendChild(el("span", {}, t));
-  header.appendChild(facts);
-  const main = el("main"), nav = el("nav"), view = el("section");
-  const search = el("input", { type: "search", placeholder: "search tensor names", id: "search" });
-  const count = el("div", { class: "count" }), list = el("ol", { id: "tensors" });
-  nav.append(search, count, list);
+  const tensors = maps[0].tensors;
   const row = el("div", { class: maps.length > 1 ? "side-by-side" : "" });
   const panes = maps.map((m) => { const pane = el("div", { class: "pane", "data-map": m.label || "checkpoint" }); row.appendChild(pane); return pane; });
   const extra = el("div", { id: "ranks" });
-  view.append(row, extra);
-  main.append(nav, view);
-  document.body.append(header, main);
-  const tensors = maps[0].tensors;
-  const wanted = decodeURIComponent((location.hash.match(/^#t=(.*)$/) || [])[1] || data.meta.selected || "");
-  let selected = Math.max(0, tensors.findIndex((t) => t[0] === wanted));
-  const select = (i) => {
-    selected = i;
-    maps.forEach((m, k) => {
-      const at = m.byName.get(tensors[i][0]);
-      if (at === undefined) panes[k].replaceChildren(el("div", { class: "note" }, `${m.label}: not written`));
-      else drawTensor(m, at, panes[k]);
-    });
-    for (const li of list.children) li.classList.toggle("selected", Number(li.dataset.index) === i);
-  };
-  const fill = () => {
-    const q = search.value.toLowerCase();
-    list.replaceChildren();
-    let matched = 0;
-    tensors.forEach((t, i) => {
-      if (q && !t[0].toLowerCase().includes(q)) return;
-      matched += 1;
-      if (matched > 2000) return;
-      const li = el("li", { "data-index": i }, t[0]);
-      if (maps.some((m) => m.problems[t[0]])) li.appendChild(el("span", { class: "bad" }, "  gaps/overlaps"));
-      li.classList.toggle("selected", i === selected);
-      li.addEventListener("click", () => select(i));
-      list.appendChild(li);
-    });
-    count.textContent = `${matched} of ${tensors.length} tensors` + (matched > 2000 ? " (first 2000 listed)" : "");
-  };
-  search.addEventListener("input", fill);
-  fill();
-  if (tensors.length) select(selected);
+  frame(data, tensors.map((t) => t[0]), (name) => maps.some((m) => m.problems[name]) ? "gaps/overlaps" : "",
+        (i) => maps.forEach((m, k) => {
+          const at = m.byName.get(tensors[i][0]);
+          if (at === undefined) panes[k].replaceChildren(el("div", { class: "note" }, `${m.label}: not written`));
+          else drawTensor(m, at, panes[k]);
+        }), [row, extra]);
   if (data.plan) drawPlan(data, extra);
   else drawRanks(maps[0], extra);
-  document.body.dataset.renderMs = String(Math.round(performance.now() - started));
-  document.body.dataset.ready = "true";
+  ready(started);
 }
 
-main().catch((e) => { document.body.dataset.error = String(e); document.body.append(el("pre", {}, String(e))); });
+run(main);
