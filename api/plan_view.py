@@ -12,6 +12,22 @@ from hpckpt.core.geometry.plan_stats import rank_stats
 from hpckpt.core.index import CheckpointIndex
 
 
+def convert_view(index: CheckpointIndex, dst, to: str | None = None, *, layout=None, rules=None,
+                 select=None, dtype: str | None = None, keep_replicas: bool = False) -> tuple[dict, str]:
+    """`plan_view` of what `api.convert` would write (its names renamed as the rules say; the
+    tensors rules derive are not drawn): `(view, target format name)`."""
+    from hpckpt.api.convert import rename, target_format
+    from hpckpt.api.layouts import source_layout
+    from hpckpt.api.options import Selection
+
+    fmt = target_format(to, dst)
+    view, _mapping, casts, _derived, _dropped = rename(index, rules, select or Selection())
+    if not fmt.whole_tensors and layout is None:
+        layout = source_layout(view)
+    target = pipeline.Target(fmt, layout, None, None, dtype, casts or None, every_replica=keep_replicas)
+    return plan_view(view, target), fmt.name
+
+
 def plan_view(index: CheckpointIndex, target: pipeline.Target, names: list[str] | None = None) -> dict:
     """The plan of writing `index` (the entries `names`) as `target`, as the page draws it:
     `source` and `target` shard maps, `ranks` rows `[rank, bytes written, bytes read, files]`,

@@ -41,7 +41,7 @@ def name_rules(rules_file: Optional[Path], preset: Optional[str], direction: Opt
 
 
 def run(src, out, to, *, layout, framework, dtype, select, rules, max_shard_size, crc, write, dry_run, command,
-        index=None, skip_unsupported=False, progress=None, keep_replicas=False) -> None:
+        index=None, skip_unsupported=False, progress=None, keep_replicas=False, html=None) -> None:
     """Run `api.convert` with the options both convert commands share, and render its report.
     `write` is the command's Write or ParallelWrite options."""
     from hpckpt import api
@@ -58,11 +58,21 @@ def run(src, out, to, *, layout, framework, dtype, select, rules, max_shard_size
                          select=select.selection(), rules=rules, max_shard_size=max_shard_size,
                          crc=crc, settings=settings, dry_run=dry_run, command=command, index=index,
                          skip_unsupported=skip_unsupported, keep_replicas=keep_replicas)
+    page = None
+    if html is not None:  # (a dry run: checked by the command)
+        from hpckpt.api.plan_view import convert_view
+        from hpckpt.cli.html import write_plan_page
+
+        view, fmt = convert_view(index, out, to, layout=layout, rules=rules, select=select.selection(), dtype=dtype,
+                                 keep_replicas=keep_replicas)
+        page = {"path": str(html), "bytes": write_plan_page(html, src, out, index.format, fmt, view)}
     progress.stop()
     _output.warn_skipped(report)
     if _output.json_mode():
-        _output.emit_json(report.to_json())
+        _output.emit_json({**report.to_json(), **({"html": page} if page else {})})
         return
+    if page:
+        _output.result_line(f"wrote {html} ({_output.human_bytes(page['bytes'])})")
     names = report.get("names")
     if report["dry_run"]:
         for line in (names or {}).get("table", []):
@@ -103,9 +113,15 @@ def convert(
     skip_unsupported: opt.SkipUnsupported = False,
     keep_replicas: opt.KeepReplicas = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be written (and the name table); write nothing.")] = False,
+    html: Annotated[Optional[Path], typer.Option(
+        "--html", metavar="FILE", help="With --dry-run: also write the plan as a self-contained page (source and "
+        "target shard maps side by side, what each target rank writes and reads).")] = None,
 ) -> None:
     """Convert a checkpoint to another format: pt, ms, safetensors, hf, hp, torch-dcp or mindformers."""
     from hpckpt.cli import _targets
+
+    if html is not None and not dry_run:
+        raise typer.BadParameter("--html goes with --dry-run (the plan's page)", param_hint="--html")
     from hpckpt.cli._progress import TerminalProgress
 
     try:
@@ -135,4 +151,5 @@ def convert(
                 raise typer.BadParameter(str(exc)) from None
         run(src, out, fmt.name, layout=layout, framework=framework, dtype=dtype, select=select, rules=rules,
             max_shard_size=max_shard_size, crc=crc, write=write, dry_run=dry_run, command="convert",
-            skip_unsupported=skip_unsupported, index=index, progress=progress, keep_replicas=keep_replicas)
+            skip_unsupported=skip_unsupported, index=index, progress=progress, keep_replicas=keep_replicas,
+            html=html)

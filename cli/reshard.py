@@ -47,6 +47,9 @@ def reshard(
     html: Annotated[Optional[Path], typer.Option(
         "--html", metavar="FILE", help="With --plan: also write the plan as a self-contained page (source and "
         "target shard maps side by side, what each target rank writes, reads and opens).")] = None,
+    bandwidth: Annotated[Optional[str], typer.Option(
+        "--bandwidth", metavar="READ,WRITE", help="The source's read and the destination's write speed per second "
+        "for the predicted time (e.g. 2GiB,1GiB); default: measured by a short probe, cached per file system.")] = None,
 ) -> None:
     """Reshard a checkpoint to a new world size or layout (output: HyperParallel DCP, or --to's format)."""
     from hpckpt import api
@@ -55,6 +58,7 @@ def reshard(
 
     if html is not None and not dry_run:
         raise typer.BadParameter("--html goes with --plan (the plan's page)", param_hint="--html")
+    speeds = _bandwidth_option(bandwidth)
     if finalize:
         if src is None:
             raise typer.BadParameter("--finalize needs the destination directory")
@@ -79,42 +83,72 @@ def reshard(
             report = api.reshard(src, out, spec, select=select.selection(), ranks=ranks,
                                  framework=framework, dtype=dtype, settings=settings, dry_run=dry_run, index=index,
                                  to=to, keep_replicas=keep_replicas)
+            prediction = _predicted(src, out, index, report, speeds, sync=settings.sync, probe=dry_run)
             if html is not None:
                 progress.phase(f"writing {html}")
                 page = {"path": str(html), "bytes": _write_plan_page(
-                    html, src, index, spec, to, dtype, keep_replicas, select.selection(), report)}
+                    html, src, index, spec, to, dtype, keep_replicas, select.selection(), report, prediction)}
     _output.warn_skipped(report)
+    extra = {"prediction": prediction} if not finalize and prediction is not None else {}
+    if html is not None:
+        extra["html"] = page
     if _output.json_mode():
-        _output.emit_json({**report.to_json(), **({"html": page} if html is not None else {})})
+        _output.emit_json({**report.to_json(), **extra})
     else:
-        render(report)
+        render(report, extra.get("prediction"))
         if html is not None:
             _output.result_line(f"wrote {html} ({_output.human_bytes(page['bytes'])})")
 
 
-def _write_plan_page(path: Path, src, index, spec, to: str, dtype, keep_replicas: bool, selection, report) -> int:
+def _bandwidth_option(text: Optional[str]):
+    """`--bandwidth READ,WRITE` as an `api.predict.Bandwidth` (None when not given)."""
+    if text is None:
+        return None
+    from hpckpt.api import parse_size
+    from hpckpt.api.predict import Bandwidth
+
+    parts = [p.strip().removesuffix("/s") for p in text.split(",")]
+    try:
+        read, write = (parse_size(p) for p in parts) if len(parts) == 2 else (None, None)
+    except ValueError:
+        read = write = None
+    if not read or not write:
+        raise typer.BadParameter(f"{text!r}: give the read and the write speed per second, e.g. 2GiB,1GiB",
+                                 param_hint="--bandwidth")
+    return Bandwidth(float(read), float(write))
+
+
+def _predicted(src, out, index, report, speeds, *, sync: bool, probe: bool) -> dict | None:
+    """The plan timed (`api.predict`): with the speeds given, else measured (a dry run probes;
+    a real run uses only what is cached, and then shows predicted beside measured)."""
+    from hpckpt.api.predict import measure, predict
+
+    if "plan" not in report or report["plan"] is None:
+        return None
+    speeds = speeds or measure(src, out, index, sync=sync, probe=probe)
+    if speeds is None:
+        return None
+    found = predict(report["plan"], speeds)
+    if not report["dry_run"]:
+        found["measured_seconds"] = round(report["seconds"], 4)
+    return found
+
+
+def _write_plan_page(path: Path, src, index, spec, to: str, dtype, keep_replicas: bool, selection, report,
+                     prediction: dict | None = None) -> int:
     """The plan's page (`api.plan_view`, drawn by `cli/html/shard_map.js`)."""
     from hpckpt.api import pipeline
     from hpckpt.api.plan_view import plan_view
-    from hpckpt.cli.html import column, map_document, write_page
+    from hpckpt.cli.html import write_plan_page
     from hpckpt.converters import format_named
 
     target = pipeline.Target(format_named(to), spec, None, None, dtype, every_replica=keep_replicas)
     names = None if selection.everything else selection.names([*index.tensors, *index.values])
-    view = plan_view(index, target, names)
-    plan = report["plan"]
-    meta = {"title": f"{src} -> {report['destination']}: plan",
-            "facts": [f"{index.format} -> {report['format']}", f"{plan['world_size']} target ranks",
-                      f"writes {plan['bytes']:,} B in {plan['files']} files"], "selected": ""}
-    document = {"kind": "plan", "meta": meta,
-                "maps": [map_document(view["source"], f"source ({index.format})"),
-                         map_document(view["target"], f"target ({report['format']}, {plan['world_size']} ranks)")],
-                "plan": {"ranks": view["ranks"], "files": view["files"], "touched": column(view["touched"]),
-                         "touched_start": column(view["touched_start"])}}
-    return write_page(path, meta["title"], "shard_map.js", document)
+    return write_plan_page(path, src, report["destination"], index.format, report["format"],
+                           plan_view(index, target, names), prediction)
 
 
-def render(report) -> None:
+def render(report, prediction: dict | None = None) -> None:
     from hpckpt.cli._output import human_bytes, rate, result_line
     from hpckpt.cli._tables import write_table
 
@@ -123,18 +157,24 @@ def render(report) -> None:
         return
     plan = report["plan"]
     if report["dry_run"]:
+        seconds = {r["rank"]: r["seconds"] for r in (prediction or {}).get("ranks", [])}
         write_table(
             f"Plan: {report['source']} -> {report['destination']} ({plan['world_size']} ranks)",
-            [("rank", "right"), ("writes", "right"), ("reads", "right"), ("source files", "right")],
-            [(str(r["rank"]), human_bytes(r["bytes_written"]), human_bytes(r["bytes_read"]), str(r["source_files"]))
-             for r in plan["ranks"]],
+            [("rank", "right"), ("writes", "right"), ("reads", "right"), ("source files", "right"),
+             ("predicted s", "right")],
+            [(str(r["rank"]), human_bytes(r["bytes_written"]), human_bytes(r["bytes_read"]), str(r["source_files"]),
+              f"{seconds[r['rank']]:.2f}" if r["rank"] in seconds else "-") for r in plan["ranks"]],
         )
         amplification = plan["bytes_read"] / plan["bytes"] if plan["bytes"] else 0
         print(f"\nTotal: writes {human_bytes(plan['bytes'])} in {plan['files']} files, reads "
-              f"{human_bytes(plan['bytes_read'])} (read amplification {amplification:.2f}); "
-              f"at 1 GiB/s about {plan['bytes'] / 2**30:.1f} s")
+              f"{human_bytes(plan['bytes_read'])} (read amplification {amplification:.2f})")
+        if prediction:
+            print(f"Predicted: {prediction['seconds']:.2f} s (reads at {human_bytes(prediction['read_bytes_per_s'])}/s, "
+                  f"{prediction['read_from']}; writes at {human_bytes(prediction['write_bytes_per_s'])}/s, "
+                  f"{prediction['write_from']})")
         return
     state = "written" if report["finalized"] else "written (fan-out share; run `hpckpt reshard --finalize` when all are done)"
+    predicted = f"; predicted {prediction['seconds']:.2f} s" if prediction else ""
     result_line(f"{report['destination']}: {plan['world_size']} ranks, {plan['files']} files, "
                 f"{human_bytes(report['bytes_written'])} {state} in {report['seconds']:.2f} s "
-                f"({rate(report)})")
+                f"({rate(report)}{predicted})")

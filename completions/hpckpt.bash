@@ -18,9 +18,9 @@ _hpckpt_options() {
         'hpckpt verify') _hpckpt_words=(--strict --deep --nan --jobs -j --verbose -v --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt diff') _hpckpt_words=(--names --atol --rtol --allow-dtype --include -i --exclude -x --max-memory --html --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt checksum') _hpckpt_words=(--force --jobs -j --json --quiet -q --no-progress --debug --help -h) ;;
-        'hpckpt reshard') _hpckpt_words=(--output -o --to -t --world-size -w --split --mesh --placements --layout-rules --layout-file --keep-layout --rank -r --finalize --include -i --exclude -x --dtype --framework --keep-replicas --jobs -j --max-memory --no-fsync --force --parents --no-manifest --dry-run --plan --html --json --quiet -q --no-progress --debug --help -h) ;;
+        'hpckpt reshard') _hpckpt_words=(--output -o --to -t --world-size -w --split --mesh --placements --layout-rules --layout-file --keep-layout --rank -r --finalize --include -i --exclude -x --dtype --framework --keep-replicas --jobs -j --max-memory --no-fsync --force --parents --no-manifest --dry-run --plan --html --bandwidth --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt consolidate') _hpckpt_words=(--output -o --format -f --include -i --exclude -x --dtype --max-shard-size --jobs -j --max-memory --no-fsync --force --parents --no-manifest --skip-unsupported --json --quiet -q --no-progress --debug --help -h) ;;
-        'hpckpt convert') _hpckpt_words=(--output -o --to -t --world-size -w --split --mesh --placements --layout-rules --layout-file --framework --names --dtype --include -i --exclude -x --max-shard-size --crc --jobs -j --max-memory --no-fsync --force --parents --no-manifest --skip-unsupported --keep-replicas --dry-run --json --quiet -q --no-progress --debug --help -h) ;;
+        'hpckpt convert') _hpckpt_words=(--output -o --to -t --world-size -w --split --mesh --placements --layout-rules --layout-file --framework --names --dtype --include -i --exclude -x --max-shard-size --crc --jobs -j --max-memory --no-fsync --force --parents --no-manifest --skip-unsupported --keep-replicas --dry-run --html --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt convert-ms-torch') _hpckpt_words=(--output -o --to --to-format --name-rules --no-preset --dtype --include -i --exclude -x --crc --max-memory --no-fsync --force --parents --no-manifest --skip-unsupported --dry-run --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt env') _hpckpt_words=(--json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt completion') _hpckpt_words=(--help -h) ;;
@@ -67,6 +67,7 @@ _hpckpt_value() {
         'hpckpt reshard --jobs'|'hpckpt reshard -j') _hpckpt_kind=none ;;
         'hpckpt reshard --max-memory') _hpckpt_kind=none ;;
         'hpckpt reshard --html') _hpckpt_kind=file ;;
+        'hpckpt reshard --bandwidth') _hpckpt_kind=none ;;
         'hpckpt consolidate --output'|'hpckpt consolidate -o') _hpckpt_kind=file ;;
         'hpckpt consolidate --format'|'hpckpt consolidate -f') _hpckpt_kind=choice _hpckpt_words=(hyperparallel hp torch-dcp mindformers mf hf-sharded hf mindspore-ckpt ms ckpt safetensors torch-save pt) ;;
         'hpckpt consolidate --include'|'hpckpt consolidate -i') _hpckpt_kind=none ;;
@@ -91,6 +92,7 @@ _hpckpt_value() {
         'hpckpt convert --max-shard-size') _hpckpt_kind=none ;;
         'hpckpt convert --jobs'|'hpckpt convert -j') _hpckpt_kind=none ;;
         'hpckpt convert --max-memory') _hpckpt_kind=none ;;
+        'hpckpt convert --html') _hpckpt_kind=file ;;
         'hpckpt convert-ms-torch --output'|'hpckpt convert-ms-torch -o') _hpckpt_kind=file ;;
         'hpckpt convert-ms-torch --to') _hpckpt_kind=choice _hpckpt_words=(torch mindspore) ;;
         'hpckpt convert-ms-torch --to-format') _hpckpt_kind=choice _hpckpt_words=(hyperparallel hp torch-dcp mindformers mf hf-sharded hf mindspore-ckpt ms ckpt safetensors torch-save pt) ;;

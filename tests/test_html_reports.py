@@ -220,3 +220,59 @@ def test_the_diff_page_shows_where_two_checkpoints_differ(tmp_path):
     assert "every byte equal (identical)" in dom and not rects(dom, "cell")
     seen = colours(tmp_path / "diff.png")
     assert len(seen) > 4
+
+
+def test_the_plan_predicts_its_time_from_measured_or_given_bandwidth(tmp_path, monkeypatch):
+    """`--plan` times every target rank and the run from the bytes it moves: with `--bandwidth`
+    exactly the arithmetic; without, from probes of the two file systems, cached per file system
+    (the second plan and the real run reuse them); the real run shows predicted beside measured."""
+    from safetensors.numpy import save_file
+
+    monkeypatch.setenv("HPCKPT_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "model.safetensors"
+    save_file({"w": np.random.default_rng(1).standard_normal((1024, 512)).astype(np.float32)}, str(src))  # 2 MiB
+    out = tmp_path / "out"
+    doc = json.loads(hpckpt("reshard", src, "-o", out, "--world-size", "4", "--plan", "--bandwidth", "1MiB,512KiB",
+                            "--json"))
+    p = doc["prediction"]
+    reads = sum(r["bytes_read"] for r in doc["plan"]["ranks"])
+    writes = sum(r["bytes_written"] for r in doc["plan"]["ranks"])
+    assert p["seconds"] == round(reads / 2**20 + writes / 2**19, 4) and (p["read_from"], p["write_from"]) == ("option",) * 2
+    assert [r["seconds"] for r in p["ranks"]] == [round(r["bytes_read"] / 2**20 + r["bytes_written"] / 2**19, 4)
+                                                  for r in doc["plan"]["ranks"]]
+    first = json.loads(hpckpt("reshard", src, "-o", out, "--world-size", "4", "--plan", "--json"))["prediction"]
+    assert (first["read_from"], first["write_from"]) == ("probe", "probe") and first["seconds"] > 0
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hpckpt-probe")]  # the probe's file is gone
+    again = json.loads(hpckpt("reshard", src, "-o", out, "--world-size", "4", "--plan", "--json"))["prediction"]
+    assert (again["read_from"], again["write_from"]) == ("cache", "cache") and again["seconds"] == first["seconds"]
+    done = json.loads(hpckpt("reshard", src, "-o", out, "--world-size", "4", "--json"))
+    assert done["prediction"]["seconds"] == first["seconds"] and done["prediction"]["measured_seconds"] > 0
+    assert "predicted" in hpckpt("reshard", src, "-o", tmp_path / "out2", "--world-size", "4")
+    # the plan's page says it too
+    page = tmp_path / "plan.html"
+    hpckpt("reshard", src, "-o", tmp_path / "out3", "--world-size", "4", "--plan", "--html", page,
+           "--bandwidth", "1MiB,512KiB")
+    dom = render(page.as_uri(), profile=tmp_path / "profile")
+    assert f"predicted {p['seconds']:.2f} s" in dom
+    bars = rects(dom, "plan-bar")
+    assert sorted({float(b["data-predicted-s"]) for b in bars}) == sorted({r["seconds"] for r in p["ranks"]})
+    assert "--bandwidth" in hpckpt("reshard", src, "-o", out, "--world-size", "4", "--plan", "--bandwidth", "fast",
+                                   code=2)
+
+
+def test_a_convert_dry_run_page_draws_the_renamed_target(tmp_path):
+    """`convert --dry-run --html`: the target map holds the names the rules give, whole tensors
+    for a one-file format; without --dry-run, --html is a usage error."""
+    root = checkpoint(tmp_path / "ck")
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[[rule]]\nmatch = "w"\nrename = "weight"\n')
+    page = tmp_path / "convert.html"
+    hpckpt("convert", root, "-o", tmp_path / "m.safetensors", "--names", rules, "--exclude", "gappy", "--dry-run",
+           "--html", page)
+    assert not (tmp_path / "m.safetensors").exists()
+    dom = render(f"{page.as_uri()}#t=weight", profile=tmp_path / "profile")  # (both maps name it as written)
+    target = re.search(r'data-map="target[^"]*"(.*?)</svg>', dom, re.S).group(1)
+    assert 'data-tensor="weight"' in target
+    assert [(b["data-region"], b["data-ranks"]) for b in rects(target, "box")] == [("[0:8, 0:4]", "0")]
+    out = hpckpt("convert", root, "-o", tmp_path / "m.safetensors", "--html", page, code=2)
+    assert "--html goes with --dry-run" in out

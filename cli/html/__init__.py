@@ -51,6 +51,22 @@ def page(title: str, script: str, document: dict) -> str:
             f"<script>{_asset('common.js')}\n{_asset(script)}</script>\n</body></html>\n")
 
 
+def write_plan_page(path: Path, src, dst, source_format: str, target_format: str, view: dict,
+                    prediction: dict | None = None) -> int:
+    """A plan's page (`api.plan_view`'s `view`): both shard maps and the target ranks' shares."""
+    world = len(view["target"]["rank_bytes"])
+    written = sum(r[1] for r in view["ranks"])
+    meta = {"title": f"{src} -> {dst}: plan",
+            "facts": [f"{source_format} -> {target_format}", f"{world} target rank{'s' if world != 1 else ''}",
+                      f"writes {written:,} B of tensors"], "selected": ""}
+    document = {"kind": "plan", "meta": meta,
+                "maps": [map_document(view["source"], f"source ({source_format})"),
+                         map_document(view["target"], f"target ({target_format}, {world} rank{'s' if world != 1 else ''})")],
+                "plan": {"ranks": view["ranks"], "files": view["files"], "touched": column(view["touched"]),
+                         "touched_start": column(view["touched_start"]), "prediction": prediction}}
+    return write_page(path, meta["title"], "shard_map.js", document)
+
+
 def write_page(path: Path, title: str, script: str, document: dict) -> int:
     """Write the page to `path` whole (a temporary name, then a rename); returns its size."""
     from hpckpt.core.commit.replace import replace_file

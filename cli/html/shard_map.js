@@ -125,8 +125,14 @@ function drawPlan(data, target) {
   const written = rows.reduce((a, r) => a + r[1], 0), read = rows.reduce((a, r) => a + r[2], 0);
   target.appendChild(el("h2", {}, `Target ranks: what each writes and reads (${rows.length} ranks)`));
   const facts = el("div", { class: "facts", id: "plan-totals" });
+  const predicted = data.plan.prediction;
+  const seconds = new Map((predicted ? predicted.ranks : []).map((p) => [p.rank, p.seconds]));
   for (const t of [`writes ${human(written)}`, `reads ${human(read)}`,
-                   `read amplification ${written ? (read / written).toFixed(2) : "-"}`]) facts.appendChild(el("span", {}, t));
+                   `read amplification ${written ? (read / written).toFixed(2) : "-"}`,
+                   predicted ? `predicted ${predicted.seconds.toFixed(2)} s (reads at ${human(predicted.read_bytes_per_s)}/s, `
+                     + `writes at ${human(predicted.write_bytes_per_s)}/s)` : "no predicted time (no bandwidth measured)"]) {
+    facts.appendChild(el("span", {}, t));
+  }
   target.appendChild(facts);
   const most = Math.max(1, ...rows.map((r) => Math.max(r[1], r[2])));
   const bar = Math.max(2, Math.min(24, Math.floor(900 / Math.max(rows.length, 1))));
@@ -137,8 +143,10 @@ function drawPlan(data, target) {
     for (const [value, x, fill, kind] of [[w, 0, "#2f6fc0", "written"], [r, half, "#e08a2c", "read"]]) {
       const h = Math.max((value / most) * height, value ? 1 : 0);
       const rect = el("rect", { x: 1 + i * bar + x, y: height - h, width: half, height: h, fill, class: `plan-bar ${kind}`,
-                                "data-rank": rank, "data-written": w, "data-read": r, "data-files": n }, null, SVG);
-      tipped(rect, `rank ${rank}: writes ${human(w)}, reads ${human(r)} from ${n} file(s)`);
+                                "data-rank": rank, "data-written": w, "data-read": r, "data-files": n,
+                                "data-predicted-s": seconds.has(rank) ? seconds.get(rank) : "" }, null, SVG);
+      tipped(rect, `rank ${rank}: writes ${human(w)}, reads ${human(r)} from ${n} file(s)` +
+                   (seconds.has(rank) ? `; predicted ${seconds.get(rank).toFixed(3)} s` : ""));
       rect.addEventListener("click", () => {
         const from = data.plan.touchedStart[i], to = data.plan.touchedStart[i + 1];
         files.replaceChildren(el("div", {}, `rank ${rank} opens ${to - from} source file(s):`));

@@ -1,0 +1,133 @@
+"""How fast a file system reads and writes, measured by a short probe and remembered per file
+system, so that `reshard --plan` can say how long the copy it plans will take.
+
+The read probe reads up to `PROBE_BYTES` of the source's own data files (as the copy will: what
+the page cache holds reads at its speed); the write probe writes `PROBE_BYTES` to a hidden file
+beside the destination, fsynced as the copy is (unless asked not to), and removes it. Each figure
+is cached under the file system's device number for `CACHE_SECONDS`
+(`~/.cache/hpckpt/bandwidth.json`, `HPCKPT_CACHE_DIR` moves it, `HPCKPT_NO_CACHE` turns it off).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from hpckpt.core.commit.replace import replace_file
+
+PROBE_BYTES = 64 * 1024 * 1024
+BLOCK = 8 * 1024 * 1024
+MIN_READ = 1024 * 1024  # a source smaller than this reads in no time worth predicting
+CACHE_SECONDS = 24 * 3600
+_MIN_SECONDS = 1e-4  # below this a measurement says nothing
+
+
+def _cache_file() -> Path | None:
+    if os.environ.get("HPCKPT_NO_CACHE"):
+        return None
+    base = os.environ.get("HPCKPT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "hpckpt")
+    return Path(base) / "bandwidth.json"
+
+
+def _load() -> dict:
+    path = _cache_file()
+    try:
+        doc = json.loads(path.read_text()) if path is not None else {}
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _key(directory: Path, kind: str) -> str:
+    return f"{os.stat(directory).st_dev}:{kind}"
+
+
+def cached(directory: Path, kind: str) -> float | None:
+    """The remembered bytes per second of `kind` ("read", "write", "write-nosync") on the file
+    system of `directory`, or None (never measured, or too long ago)."""
+    try:
+        entry = _load().get(_key(directory, kind))
+    except OSError:
+        return None
+    if not isinstance(entry, dict) or not isinstance(entry.get("bytes_per_s"), (int, float)):
+        return None
+    if time.time() - float(entry.get("time", 0)) > CACHE_SECONDS or entry["bytes_per_s"] <= 0:
+        return None
+    return float(entry["bytes_per_s"])
+
+
+def _remember(directory: Path, kind: str, bytes_per_s: float) -> None:
+    path = _cache_file()
+    if path is None:
+        return
+    doc = _load()
+    doc[_key(directory, kind)] = {"bytes_per_s": bytes_per_s, "time": time.time(), "path": str(directory)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        replace_file(path, (json.dumps(doc, indent=1) + "\n").encode(), fsync=False)
+    except OSError:
+        pass  # a cache that cannot be written only costs the next probe
+
+
+def probe_read(files: Iterable[Path], limit: int = PROBE_BYTES) -> float | None:
+    """Bytes per second reading `files` from their start, `limit` bytes at most; None when they
+    hold too little to tell."""
+    buffer = bytearray(BLOCK)
+    view, done, started = memoryview(buffer), 0, time.perf_counter()
+    for path in files:
+        if done >= limit:
+            break
+        try:
+            with open(path, "rb", buffering=0) as f:
+                while done < limit:
+                    n = f.readinto(view[:min(BLOCK, limit - done)])
+                    if not n:
+                        break
+                    done += n
+        except OSError:
+            continue
+    seconds = time.perf_counter() - started
+    return done / seconds if done >= MIN_READ and seconds > _MIN_SECONDS else None
+
+
+def probe_write(directory: Path, sync: bool = True, nbytes: int = PROBE_BYTES) -> float | None:
+    """Bytes per second writing (and, with `sync`, fsyncing) `nbytes` in `directory`, through a
+    hidden file removed at once; None when it cannot be written there."""
+    path = directory / f".hpckpt-probe-{os.getpid()}"
+    block = os.urandom(min(BLOCK, nbytes))  # (incompressible, in case the file system compresses)
+    started = time.perf_counter()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            written = 0
+            while written < nbytes:
+                written += os.write(fd, block[:nbytes - written])
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    seconds = time.perf_counter() - started
+    return nbytes / seconds if seconds > _MIN_SECONDS else None
+
+
+def measured(directory: Path, kind: str, probe) -> tuple[float | None, str]:
+    """`(bytes per second, "cache" | "probe")` of `kind` on `directory`'s file system: the cached
+    figure, else `probe()` (then remembered)."""
+    found = cached(directory, kind)
+    if found is not None:
+        return found, "cache"
+    value = probe()
+    if value is not None:
+        _remember(directory, kind, value)
+    return value, "probe"
