@@ -2,8 +2,9 @@
 system, so that `reshard --plan` can say how long the copy it plans will take.
 
 The read probe reads up to `PROBE_BYTES` of the source's own data files (as the copy will: what
-the page cache holds reads at its speed); the write probe writes `PROBE_BYTES` to a hidden file
-beside the destination, fsynced as the copy is (unless asked not to), and removes it. Each figure
+the page cache holds reads at its speed); the write probe writes `PROBE_BYTES` beside the
+destination as the engine writes (`probe_write`), fsynced as the copy is (unless asked not to),
+and removes what it wrote. Each figure
 is cached under the file system's device number for `CACHE_SECONDS`
 (`~/.cache/hpckpt/bandwidth.json`, `HPCKPT_CACHE_DIR` moves it, `HPCKPT_NO_CACHE` turns it off).
 """
@@ -16,10 +17,12 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from hpckpt.core.commit.durable import start_writeback
 from hpckpt.core.commit.replace import replace_file
 
 PROBE_BYTES = 64 * 1024 * 1024
 BLOCK = 8 * 1024 * 1024
+WRITERS = 4
 MIN_READ = 1024 * 1024  # a source smaller than this reads in no time worth predicting
 CACHE_SECONDS = 24 * 3600
 _MIN_SECONDS = 1e-4  # below this a measurement says nothing
@@ -95,30 +98,46 @@ def probe_read(files: Iterable[Path], limit: int = PROBE_BYTES) -> float | None:
 
 
 def probe_write(directory: Path, sync: bool = True, nbytes: int = PROBE_BYTES) -> float | None:
-    """Bytes per second writing (and, with `sync`, fsyncing) `nbytes` in `directory`, through a
-    hidden file removed at once; None when it cannot be written there."""
-    path = directory / f".hpckpt-probe-{os.getpid()}"
-    block = os.urandom(min(BLOCK, nbytes))  # (incompressible, in case the file system compresses)
-    started = time.perf_counter()
-    try:
+    """Bytes per second writing (and, with `sync`, fsyncing) `nbytes` in `directory` as the engine
+    writes: several files at once (one per core, at most `WRITERS`), the kernel asked to start
+    writing each block back as soon as it is written (`start_writeback`), through hidden files
+    removed at once; None when they cannot be written there."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    writers = max(1, min(WRITERS, os.cpu_count() or 1))
+    share = max(BLOCK, nbytes // writers)
+    block = os.urandom(min(BLOCK, share))  # (incompressible, in case the file system compresses)
+    paths = [directory / f".hpckpt-tmp-{os.getpid()}-probe{i}" for i in range(writers)]  # (staging names)
+
+    def write(path: Path) -> int:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             written = 0
-            while written < nbytes:
-                written += os.write(fd, block[:nbytes - written])
+            while written < share:
+                n = os.write(fd, block[:share - written])
+                if sync:
+                    start_writeback(fd, written, n)
+                written += n
             if sync:
                 os.fsync(fd)
+            return written
         finally:
             os.close(fd)
+
+    started = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(writers) as pool:
+            total = sum(pool.map(write, paths))
     except OSError:
         return None
     finally:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        for path in paths:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
     seconds = time.perf_counter() - started
-    return nbytes / seconds if seconds > _MIN_SECONDS else None
+    return total / seconds if seconds > _MIN_SECONDS else None
 
 
 def measured(directory: Path, kind: str, probe) -> tuple[float | None, str]:
