@@ -19,21 +19,33 @@ from hpckpt.core.io.write import WriteSettings
 def consolidate(src: str | Path, out: str | Path, fmt: str = "safetensors", *, select: Selection = Selection(),
                 dtype: str | None = None, max_shard_size: str | int = "5GB", framework: str | None = None,
                 settings: WriteSettings = WriteSettings(), index: CheckpointIndex | None = None,
-                skip_unsupported: bool = False) -> WriteReport:
+                skip_unsupported: bool = False, dry_run: bool = False) -> WriteReport:
     """Merge `src` into whole tensors: one safetensors file, Hugging Face shards, a torch.save
     file, a `.ckpt`, or a one-rank HyperParallel or PyTorch DCP checkpoint. Non-tensor values go
     where the format keeps them (the pt file, a JSON side file for the safetensors formats).
     A tensor whose dtype the format cannot hold fails the run, or is left out and reported with
-    `skip_unsupported`.
+    `skip_unsupported`. `dry_run` plans and writes nothing.
 
     Raises:
         ValueError: an unknown format.
     """
     started = time.perf_counter()
-    target_format = format_named(fmt)
     index = index if index is not None else open_index(src)
-    layout = None if target_format.whole_tensors else LayoutSpec.for_world_size(1)
-    target = pipeline.Target(target_format, layout, None, framework, dtype, max_shard_bytes=parse_size(max_shard_size),
-                             skip_unsupported=skip_unsupported)
+    target = consolidate_target(fmt, framework=framework, dtype=dtype, max_shard_size=max_shard_size,
+                                skip_unsupported=skip_unsupported)
     names = None if select.everything else select.names([*index.tensors, *index.values])
-    return pipeline.write("consolidate", src, out, index, target, settings, names=names, started=started)
+    return pipeline.write("consolidate", src, out, index, target, settings, names=names, started=started,
+                          dry_run=dry_run)
+
+
+def consolidate_target(fmt: str, *, framework: str | None = None, dtype: str | None = None,
+                       max_shard_size: str | int = "5GB", skip_unsupported: bool = False) -> pipeline.Target:
+    """What `consolidate` writes: every tensor whole, in `fmt` (a layout format on one rank).
+
+    Raises:
+        ValueError: an unknown format.
+    """
+    target_format = format_named(fmt)
+    layout = None if target_format.whole_tensors else LayoutSpec.for_world_size(1)
+    return pipeline.Target(target_format, layout, None, framework, dtype, max_shard_bytes=parse_size(max_shard_size),
+                           skip_unsupported=skip_unsupported)

@@ -32,6 +32,10 @@ def consolidate(
     max_shard_size: opt.MaxShardSize = "5GB",
     write: ParallelWrite = ParallelWrite(),
     skip_unsupported: opt.SkipUnsupported = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be written; write nothing.")] = False,
+    html: Annotated[Optional[Path], typer.Option(
+        "--html", metavar="FILE", help="With --dry-run: also write the plan as a self-contained page (the source's "
+        "boxes beside the whole tensors, what is read).")] = None,
 ) -> None:
     """Merge a sharded checkpoint into whole tensors for release or inference."""
     from hpckpt import api
@@ -39,6 +43,8 @@ def consolidate(
     from hpckpt.cli._progress import TerminalProgress
     from hpckpt.core.commit.lock import reading
 
+    if html is not None and not dry_run:
+        raise typer.BadParameter("--html goes with --dry-run (the plan's page)", param_hint="--html")
     with TerminalProgress("consolidate") as progress, reading(src):  # before its metadata is read
         try:
             target = _targets.output_format(fmt, out, "--format", default="safetensors")
@@ -49,10 +55,25 @@ def consolidate(
         index = _targets.open_source(src, progress)
         report = api.consolidate(src, out, target.name, select=select.selection(), dtype=dtype,
                                  max_shard_size=max_shard_size, settings=settings, skip_unsupported=skip_unsupported,
-                                 index=index)
+                                 index=index, dry_run=dry_run)
+        page = None
+        if html is not None:
+            from hpckpt.api.consolidate import consolidate_target
+            from hpckpt.api.plan_view import plan_view
+            from hpckpt.cli.html import write_plan_page
+
+            selection = select.selection()
+            names = None if selection.everything else selection.names([*index.tensors, *index.values])
+            view = plan_view(index, consolidate_target(target.name, dtype=dtype), names)
+            page = {"path": str(html), "bytes": write_plan_page(html, src, out, index.format, target.name, view)}
     _output.warn_skipped(report)
     if _output.json_mode():
-        _output.emit_json(report.to_json())
+        _output.emit_json({**report.to_json(), **({"html": page} if page else {})})
+    elif dry_run:
+        _output.result_line(f"dry run: {report['source']} ({report['source_format']}) -> {report['destination']} "
+                            f"({report['format']}): would write {report['files']} file(s); nothing written")
+        if page:
+            _output.result_line(f"wrote {html} ({_output.human_bytes(page['bytes'])})")
     else:
         _output.result_line(f"{report['destination']} ({report['format']}): {_output.human_bytes(report['bytes_written'])} "
                             f"written in {report['seconds']:.2f} s ({_output.rate(report)})")

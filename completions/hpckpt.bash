@@ -19,7 +19,7 @@ _hpckpt_options() {
         'hpckpt diff') _hpckpt_words=(--names --atol --rtol --allow-dtype --include -i --exclude -x --max-memory --html --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt checksum') _hpckpt_words=(--force --jobs -j --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt reshard') _hpckpt_words=(--output -o --to -t --world-size -w --split --mesh --placements --layout-rules --layout-file --keep-layout --rank -r --finalize --include -i --exclude -x --dtype --framework --keep-replicas --jobs -j --max-memory --no-fsync --force --parents --no-manifest --dry-run --plan --html --bandwidth --json --quiet -q --no-progress --debug --help -h) ;;
-        'hpckpt consolidate') _hpckpt_words=(--output -o --format -f --include -i --exclude -x --dtype --max-shard-size --jobs -j --max-memory --no-fsync --force --parents --no-manifest --skip-unsupported --json --quiet -q --no-progress --debug --help -h) ;;
+        'hpckpt consolidate') _hpckpt_words=(--output -o --format -f --include -i --exclude -x --dtype --max-shard-size --jobs -j --max-memory --no-fsync --force --parents --no-manifest --skip-unsupported --dry-run --html --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt convert') _hpckpt_words=(--output -o --to -t --world-size -w --split --mesh --placements --layout-rules --layout-file --framework --names --dtype --include -i --exclude -x --max-shard-size --crc --jobs -j --max-memory --no-fsync --force --parents --no-manifest --skip-unsupported --keep-replicas --dry-run --html --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt convert-ms-torch') _hpckpt_words=(--output -o --to --to-format --name-rules --no-preset --dtype --include -i --exclude -x --crc --max-memory --no-fsync --force --parents --no-manifest --skip-unsupported --dry-run --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt env') _hpckpt_words=(--json --quiet -q --no-progress --debug --help -h) ;;
@@ -76,6 +76,7 @@ _hpckpt_value() {
         'hpckpt consolidate --max-shard-size') _hpckpt_kind=none ;;
         'hpckpt consolidate --jobs'|'hpckpt consolidate -j') _hpckpt_kind=none ;;
         'hpckpt consolidate --max-memory') _hpckpt_kind=none ;;
+        'hpckpt consolidate --html') _hpckpt_kind=file ;;
         'hpckpt convert --output'|'hpckpt convert -o') _hpckpt_kind=file ;;
         'hpckpt convert --to'|'hpckpt convert -t') _hpckpt_kind=choice _hpckpt_words=(hyperparallel hp torch-dcp mindformers mf hf-sharded hf mindspore-ckpt ms ckpt safetensors torch-save pt) ;;
         'hpckpt convert --world-size'|'hpckpt convert -w') _hpckpt_kind=none ;;

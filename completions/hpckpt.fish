@@ -124,6 +124,8 @@ complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l force -d 'Rep
 complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l parents -d 'Create missing parent directories of -o.'
 complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l no-manifest -d 'Write no integrity manifest (.hpckpt-manifest.jsonl, or NAME.hpckpt-manifest.jsonl beside a single file); verify --deep then reads every chunk instead.'
 complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l skip-unsupported -d 'Leave out (and list) tensors of a dtype the target format cannot hold, instead of failing.'
+complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l dry-run -d 'Show what would be written; write nothing.'
+complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l html -r -F -d 'With --dry-run: also write the plan as a self-contained page (the source\'s boxes beside the whole tensors, what is read).'
 complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l json -d 'Print one JSON document (also before the command).'
 complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l quiet -s q -d 'No progress and no informational lines; warnings about lost data are still printed.'
 complete -c hpckpt -n '__fish_seen_subcommand_from consolidate' -l no-progress -d 'No progress display on stderr.'

@@ -276,3 +276,16 @@ def test_a_convert_dry_run_page_draws_the_renamed_target(tmp_path):
     assert [(b["data-region"], b["data-ranks"]) for b in rects(target, "box")] == [("[0:8, 0:4]", "0")]
     out = hpckpt("convert", root, "-o", tmp_path / "m.safetensors", "--html", page, code=2)
     assert "--html goes with --dry-run" in out
+
+
+def test_a_consolidate_dry_run_page_draws_whole_tensors(tmp_path):
+    root = checkpoint(tmp_path / "ck")
+    page = tmp_path / "consolidate.html"
+    out = hpckpt("consolidate", root, "-o", tmp_path / "m.safetensors", "--exclude", "gappy", "--dry-run", "--html",
+                 page)
+    assert "nothing written" in out and not (tmp_path / "m.safetensors").exists()
+    dom = render(f"{page.as_uri()}#t=w", profile=tmp_path / "profile")
+    target = re.search(r'data-map="target[^"]*"(.*?)</svg>', dom, re.S).group(1)
+    assert [(b["data-region"], b["data-ranks"]) for b in rects(target, "box")] == [("[0:8, 0:4]", "0")]
+    assert "--html goes with --dry-run" in hpckpt("consolidate", root, "-o", tmp_path / "m.safetensors", "--html",
+                                                  page, code=2)
