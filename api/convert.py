@@ -106,11 +106,21 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, *, layout: 
         values, inexact = derive_values(source, derived)
         view = with_tensors(view, values, {d.destination: d.dtype for d in derived})
         view.warnings.extend(inexact)
+    target = convert_target(fmt, view, layout, framework=framework, dtype=dtype, casts=casts,
+                            max_shard_size=max_shard_size, crc=crc, skip_unsupported=skip_unsupported,
+                            keep_replicas=keep_replicas)
+    return pipeline.write(command, src, dst, view, target, settings, started=started, extra=extra, dropped=dropped)
+
+
+def convert_target(fmt, view: CheckpointIndex, layout: LayoutSpec | None = None, *, framework: str | None = None,
+                   dtype: str | None = None, casts=None, max_shard_size: str | int = "5GB", crc: bool = False,
+                   skip_unsupported: bool = False, keep_replicas: bool = False) -> pipeline.Target:
+    """What `convert` writes of `view` (the source renamed): `fmt` at `layout`, a layout format
+    at the source's own layout when none is given."""
     if not fmt.whole_tensors and layout is None:
         layout = source_layout(view)
-    target = pipeline.Target(fmt, layout, None, framework, dtype, casts or None, parse_size(max_shard_size), crc,
-                             skip_unsupported, every_replica=keep_replicas)
-    return pipeline.write(command, src, dst, view, target, settings, started=started, extra=extra, dropped=dropped)
+    return pipeline.Target(fmt, layout, None, framework, dtype, casts or None, parse_size(max_shard_size), crc,
+                           skip_unsupported, every_replica=keep_replicas)
 
 
 # source format -> the container convert-ms-torch keeps by default (the other framework's file)

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 
 from hpckpt.api.options import Selection
 from hpckpt.api.reports import InspectReport
@@ -29,6 +30,11 @@ def rank_of(file: str) -> int | None:
     if not match:
         return None
     return int(next(g for g in match.groups() if g is not None))
+
+
+def chunk_ranks(entry) -> np.ndarray:
+    """The rank holding each stored chunk of a tensor, in chunk order (-1: its file names none)."""
+    return np.array([-1 if (r := rank_of(f)) is None else r for f in entry.chunk_files()], np.int32)
 
 
 def _file_sizes(index: CheckpointIndex) -> tuple[dict, ...]:

@@ -16,15 +16,12 @@ def convert_view(index: CheckpointIndex, dst, to: str | None = None, *, layout=N
                  select=None, dtype: str | None = None, keep_replicas: bool = False) -> tuple[dict, str]:
     """`plan_view` of what `api.convert` would write (its names renamed as the rules say; the
     tensors rules derive are not drawn): `(view, target format name)`."""
-    from hpckpt.api.convert import rename, target_format
-    from hpckpt.api.layouts import source_layout
+    from hpckpt.api.convert import convert_target, rename, target_format
     from hpckpt.api.options import Selection
 
     fmt = target_format(to, dst)
     view, _mapping, casts, _derived, _dropped = rename(index, rules, select or Selection())
-    if not fmt.whole_tensors and layout is None:
-        layout = source_layout(view)
-    target = pipeline.Target(fmt, layout, None, None, dtype, casts or None, every_replica=keep_replicas)
+    target = convert_target(fmt, view, layout, dtype=dtype, casts=casts, keep_replicas=keep_replicas)
     return plan_view(view, target), fmt.name
 
 

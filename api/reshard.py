@@ -38,15 +38,25 @@ def reshard(src: str | Path, dst: str | Path, layout: LayoutSpec, *, select: Sel
         ReshardOptionError: `to` is not a format that stores a layout.
     """
     started = time.perf_counter()
+    target = reshard_target(to, layout, ranks=ranks, framework=framework, dtype=dtype, keep_replicas=keep_replicas)
+    index = index if index is not None else open_index(src)
+    names = None if select.everything else select.names([*index.tensors, *index.values])
+    return pipeline.write("reshard", src, dst, index, target, settings, names=names, dry_run=dry_run, started=started)
+
+
+def reshard_target(to: str, layout: LayoutSpec, *, ranks: Iterable[int] | None = None, framework: str | None = None,
+                   dtype: str | None = None, keep_replicas: bool = False) -> pipeline.Target:
+    """What `reshard` writes: `layout` in the layout format `to`.
+
+    Raises:
+        ReshardOptionError: `to` is not a format that stores a layout.
+    """
     fmt = format_named(to)
     if fmt.writer is None or fmt.whole_tensors:
         raise ReshardOptionError(f"reshard writes a layout format (hyperparallel, torch-dcp, mindformers), not {fmt.name}",
                                  hint="`hpckpt consolidate` or `hpckpt convert` writes whole tensors")
-    index = index if index is not None else open_index(src)
-    target = pipeline.Target(fmt, layout, tuple(ranks) if ranks is not None else None, framework, dtype,
-                             every_replica=keep_replicas)
-    names = None if select.everything else select.names([*index.tensors, *index.values])
-    return pipeline.write("reshard", src, dst, index, target, settings, names=names, dry_run=dry_run, started=started)
+    return pipeline.Target(fmt, layout, tuple(ranks) if ranks is not None else None, framework, dtype,
+                           every_replica=keep_replicas)
 
 
 def finalize(dst: str | Path) -> FinalizeReport:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpckpt.api.inspect import rank_of
+from hpckpt.api.inspect import chunk_ranks
 from hpckpt.core.geometry.layout import inferred_layouts
 from hpckpt.core.geometry.plan import Plan
 from hpckpt.core.index import CheckpointIndex
@@ -18,65 +18,68 @@ def shard_map(index: CheckpointIndex, names: list[str]) -> dict:
     """The shard map of the tensors `names`: per tensor `[name, dtype, shape, layout, bytes,
     first chunk, chunks]` (its chunks' rows in the columns), the columns `offsets` and `sizes`
     (float64, ndim values per chunk, tensors one after another) and `ranks` (int32, -1 where a
-    file names no rank), the `problems` (name -> `gaps`, `overlaps`: regions as `[0:2, 4:8]`;
-    `notes`: what could not be located) and the bytes per rank (`rank_bytes`, index = rank)."""
+    file names no rank), the `problems` (name -> `core.safety.validate.coverage`: gaps, overlaps,
+    notes) and the bytes per rank (`rank_bytes`, index = rank)."""
     layouts = inferred_layouts(index)
-    rows, offsets, sizes, ranks = [], [], [], []
+    columns = _Columns()
     problems: dict[str, dict[str, list[str]]] = {}
-    per_rank: dict[int, int] = {}
-    first = 0
     for name in names:
         entry = index.tensors[name]
         if entry.n_chunks:
-            o, s = entry.chunk_arrays()
-            r = np.array([-1 if (k := rank_of(f)) is None else k for f in entry.chunk_files()], np.int32)
-            offsets.append(o.astype(np.float64).reshape(-1))
-            sizes.append(s.astype(np.float64).reshape(-1))
-            ranks.append(r)
-            volumes = np.prod(s, axis=1) if s.shape[1] else np.ones(len(s), np.int64)
-            for rank, nbytes in zip(r.tolist(), (volumes * entry.dtype.itemsize).tolist()):
-                per_rank[rank] = per_rank.get(rank, 0) + int(nbytes)
-        for finding in coverage(entry):  # regions as `[0:2, 4:8]`; a finding without regions as its text
-            kind = "gaps" if "no chunk covers" in finding.message else "overlaps" if "overlap" in finding.message \
-                else "notes"
-            problems.setdefault(name, {}).setdefault(kind, []).extend(finding.boxes or [finding.message])
-        rows.append([name, entry.dtype.name, list(entry.shape), layouts[name], entry.nbytes, first, entry.n_chunks])
-        first += entry.n_chunks
-    world = max(per_rank, default=-1) + 1
-    return {
-        "tensors": rows,
-        "offsets": np.concatenate(offsets) if offsets else np.zeros(0),
-        "sizes": np.concatenate(sizes) if sizes else np.zeros(0),
-        "ranks": np.concatenate(ranks) if ranks else np.zeros(0, np.int32),
-        "problems": problems,
-        "rank_bytes": [per_rank.get(r, 0) for r in range(world)],
-        "unranked_bytes": per_rank.get(-1, 0),
-    }
+            offsets, sizes = entry.chunk_arrays()
+            columns.add(offsets, sizes, chunk_ranks(entry), entry.dtype.itemsize)
+        found = coverage(entry)
+        if found:
+            problems[name] = found
+        columns.row(name, entry.dtype.name, entry.shape, layouts[name], entry.nbytes, entry.n_chunks)
+    return columns.document(problems)
 
 
 def planned_map(plan: Plan) -> dict:
     """The shard map of a plan's target (what `shard_map` gives of a checkpoint): every planned
     box with the rank that will store it. A plan tiles each tensor, so it has no problems."""
-    rows, offsets, sizes, ranks = [], [], [], []
-    per_rank: dict[int, int] = {}
-    first = 0
+    columns = _Columns(plan.world_size)
     for tensor in plan.tensors:
-        n, ndim = len(tensor.boxes), len(tensor.shape)
-        if n:
-            offsets.append(np.array([b.box.offsets for b in tensor.boxes], np.float64).reshape(-1))
-            sizes.append(np.array([b.box.sizes for b in tensor.boxes], np.float64).reshape(-1))
-            ranks.append(np.array([b.rank for b in tensor.boxes], np.int32))
-            for b in tensor.boxes:
-                per_rank[b.rank] = per_rank.get(b.rank, 0) + tensor.box_nbytes(b)
-        nbytes = int(np.prod(tensor.shape, dtype=np.int64)) * tensor.dtype.itemsize if ndim else tensor.dtype.itemsize
-        rows.append([tensor.fqn, tensor.dtype.name, list(tensor.shape), "", nbytes, first, n])
-        first += n
-    return {
-        "tensors": rows,
-        "offsets": np.concatenate(offsets) if offsets else np.zeros(0),
-        "sizes": np.concatenate(sizes) if sizes else np.zeros(0),
-        "ranks": np.concatenate(ranks) if ranks else np.zeros(0, np.int32),
-        "problems": {},
-        "rank_bytes": [per_rank.get(r, 0) for r in range(plan.world_size)],
-        "unranked_bytes": 0,
-    }
+        if tensor.boxes:
+            columns.add(np.array([b.box.offsets for b in tensor.boxes], np.int64).reshape(len(tensor.boxes), -1),
+                        np.array([b.box.sizes for b in tensor.boxes], np.int64).reshape(len(tensor.boxes), -1),
+                        np.array([b.rank for b in tensor.boxes], np.int32), tensor.dtype.itemsize)
+        nbytes = int(np.prod(tensor.shape, dtype=np.int64)) * tensor.dtype.itemsize
+        columns.row(tensor.fqn, tensor.dtype.name, tensor.shape, "", nbytes, len(tensor.boxes))
+    return columns.document({})
+
+
+class _Columns:
+    """The columns a shard map is made of, filled tensor by tensor, and the bytes of each rank."""
+
+    def __init__(self, world_size: int = 0):
+        self.rows: list[list] = []
+        self.offsets: list[np.ndarray] = []
+        self.sizes: list[np.ndarray] = []
+        self.ranks: list[np.ndarray] = []
+        self.rank_bytes = np.zeros(world_size + 1, np.int64)  # index 0: chunks of no rank (-1)
+        self.first = 0
+
+    def add(self, offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray, itemsize: int) -> None:
+        """One tensor's chunks: `[n, ndim]` offsets and sizes, their ranks."""
+        self.offsets.append(offsets.astype(np.float64).reshape(-1))
+        self.sizes.append(sizes.astype(np.float64).reshape(-1))
+        self.ranks.append(ranks)
+        volumes = np.prod(sizes, axis=1) if sizes.shape[1] else np.ones(len(sizes), np.int64)
+        counted = np.bincount(ranks.astype(np.int64) + 1, weights=volumes * itemsize)
+        if len(counted) > len(self.rank_bytes):
+            self.rank_bytes = np.pad(self.rank_bytes, (0, len(counted) - len(self.rank_bytes)))
+        self.rank_bytes[:len(counted)] += counted.astype(np.int64)
+
+    def row(self, name: str, dtype: str, shape, layout: str, nbytes: int, chunks: int) -> None:
+        self.rows.append([name, dtype, list(shape), layout, nbytes, self.first, chunks])
+        self.first += chunks
+
+    def document(self, problems: dict) -> dict:
+        def joined(parts: list[np.ndarray], dtype) -> np.ndarray:
+            return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+        return {"tensors": self.rows, "offsets": joined(self.offsets, np.float64),
+                "sizes": joined(self.sizes, np.float64), "ranks": joined(self.ranks, np.int32),
+                "problems": problems, "rank_bytes": self.rank_bytes[1:].tolist(),
+                "unranked_bytes": int(self.rank_bytes[0])}

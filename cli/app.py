@@ -32,6 +32,7 @@ from hpckpt.cli import _output
 from hpckpt.cli._errors import UsageErrors
 from hpckpt.cli._options import ShellName, fold_deprecated
 
+
 class _RootGroup(typer.core.TyperGroup):
     """The root group, keeping the command line it parsed (`_json_after` reads it)."""
 

@@ -119,10 +119,10 @@ def convert(
 ) -> None:
     """Convert a checkpoint to another format: pt, ms, safetensors, hf, hp, torch-dcp or mindformers."""
     from hpckpt.cli import _targets
+    from hpckpt.cli._progress import TerminalProgress
 
     if html is not None and not dry_run:
         raise typer.BadParameter("--html goes with --dry-run (the plan's page)", param_hint="--html")
-    from hpckpt.cli._progress import TerminalProgress
 
     try:
         fmt = _targets.output_format(to, out, "--to")

@@ -137,12 +137,11 @@ def _predicted(src, out, index, report, speeds, *, sync: bool, probe: bool) -> d
 def _write_plan_page(path: Path, src, index, spec, to: str, dtype, keep_replicas: bool, selection, report,
                      prediction: dict | None = None) -> int:
     """The plan's page (`api.plan_view`, drawn by `cli/html/shard_map.js`)."""
-    from hpckpt.api import pipeline
     from hpckpt.api.plan_view import plan_view
+    from hpckpt.api.reshard import reshard_target
     from hpckpt.cli.html import write_plan_page
-    from hpckpt.converters import format_named
 
-    target = pipeline.Target(format_named(to), spec, None, None, dtype, every_replica=keep_replicas)
+    target = reshard_target(to, spec, dtype=dtype, keep_replicas=keep_replicas)
     names = None if selection.everything else selection.names([*index.tensors, *index.values])
     return write_plan_page(path, src, report["destination"], index.format, report["format"],
                            plan_view(index, target, names), prediction)

@@ -1,8 +1,8 @@
 """`inspect --map NAME`: one tensor's stored boxes drawn in the terminal, for a cluster's login
 node where no browser runs. The tensor's two most-split dims become a grid of at most 24 x 40
-cells (2 characters wide); each cell shows the rank whose box covers its centre, as a colour (the legend below) and,
-where several ranks hold that box, their count; `.` marks a cell no box covers, `#` one that
-different boxes cover."""
+cells (2 characters wide); each cell shows the rank whose box covers its centre, as a colour (the
+legend below) and, where several ranks hold that box, their count; `.` marks a cell no box
+covers, `##` one that different boxes cover."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import fnmatch
 
 import numpy as np
 
-from hpckpt.api.inspect import rank_of
+from hpckpt.api.inspect import chunk_ranks
 
 MAX_ROWS, MAX_COLUMNS, MAX_TENSORS, MAX_LEGEND = 24, 40, 8, 32  # a cell is 2 characters wide
 GAP, OVERLAP = -2, -3
@@ -88,7 +88,7 @@ def draw(index, patterns: list[str]) -> None:
     for name in names[:MAX_TENSORS]:
         entry = index.tensors[name]
         offsets, sizes = entry.chunk_arrays()
-        ranks = np.array([-1 if (r := rank_of(f)) is None else r for f in entry.chunk_files()], np.int64)
+        ranks = chunk_ranks(entry)
         owner, holders, (rows_dim, cols_dim) = grid(tuple(entry.shape), offsets, sizes, ranks)
         how = ("a 0-d tensor" if cols_dim is None else f"dim {cols_dim} across" if rows_dim is None
                else f"dim {rows_dim} down, dim {cols_dim} across")

@@ -69,7 +69,7 @@ def render(report: dict, verbose: bool = False) -> None:
         style = "red" if finding["severity"] == "error" else "yellow"
         console.print(f"[{style}]{finding['severity']}[/{style}] {escape('[' + finding['kind'] + ']')} {escape(printable(finding['message']))}",
                       soft_wrap=True)
-        for detail in finding.get("details") or () if verbose else ():
+        for detail in (finding.get("details") or ()) if verbose else ():
             console.print(f"  {escape(printable(detail))}", soft_wrap=True)
     errors = sum(1 for f in report["findings"] if f["severity"] == "error")
     warnings = len(report["findings"]) - errors

@@ -27,6 +27,7 @@ from typing import Callable
 from hpckpt import __version__
 from hpckpt.core import dtypes
 from hpckpt.core.commit import manifest
+from hpckpt.core.paths import cache_directory
 from hpckpt.core.commit.replace import replace_file
 from hpckpt.core.errors import HpckptError
 from hpckpt.core.index import CheckpointIndex, Chunk, Locator, TensorEntry, ValueEntry
@@ -37,12 +38,7 @@ _MAGIC = b"HPCKPT-INDEX-3\n"
 
 
 def cache_dir() -> Path | None:
-    if os.environ.get("HPCKPT_NO_CACHE"):
-        return None
-    if os.environ.get("HPCKPT_CACHE_DIR"):
-        return Path(os.environ["HPCKPT_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "hpckpt" / "index"
+    return cache_directory("index")
 
 
 def _cache_file(root: Path, metadata_files: list[str]) -> Path | None:

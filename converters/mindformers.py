@@ -61,13 +61,18 @@ def iteration_of(path: Path) -> Path | None:
         return None
     if not lexists(path / TRACKER):
         return path if _is_iteration(path) else None
-    text = input_files.read_small(path / TRACKER, "iteration tracker", 64).decode("ascii", "replace").strip()
+    text = _tracker_text(path / TRACKER)
     if not text.isdigit():
         raise CorruptMetadataError(f"{path / TRACKER}: {text[:40]!r} is not an iteration number")
     found = path / f"iteration_{int(text):08d}"
     if not found.is_dir():
         raise MissingFileError(f"{path / TRACKER} names iteration {int(text)}, but {found.name}/ is missing")
     return found
+
+
+def _tracker_text(tracker: Path) -> str:
+    """What a tracker file says (MindFormers writes the bare number)."""
+    return input_files.read_small(tracker, "iteration tracker", 64).decode("ascii", "replace").strip()
 
 
 class MindFormersLocator(DataFileLocator):
@@ -370,10 +375,8 @@ def update_tracker(dest) -> tuple[tuple[str, ...], tuple[str, ...]]:
     if found is None:
         return (), ()
     number, tracker = int(found.group(1)), dest.parent / TRACKER
-    current = None
-    if lexists(tracker):
-        text = input_files.read_small(tracker, "iteration tracker", 64).decode("ascii", "replace").strip()
-        current = int(text) if text.isdigit() else None
+    text = _tracker_text(tracker) if lexists(tracker) else ""
+    current = int(text) if text.isdigit() else None
     if current is not None and current > number:
         return (), (f"{tracker} names iteration {current}, newer than {dest.name}: left as it is",)
     if is_object(tracker):

@@ -72,3 +72,14 @@ def baseline_of(root: Path, relative: str) -> Path | None:
     except (RuntimeError, OSError):
         return None
     return sibling if sibling in target.parents else None
+
+
+def cache_directory(name: str = "") -> Path | None:
+    """Where hpckpt keeps what it listed or measured (`name` under it): `HPCKPT_CACHE_DIR`,
+    else `$XDG_CACHE_HOME/hpckpt/NAME` (`~/.cache/hpckpt/NAME`); None with `HPCKPT_NO_CACHE`."""
+    if os.environ.get("HPCKPT_NO_CACHE"):
+        return None
+    if os.environ.get("HPCKPT_CACHE_DIR"):
+        return Path(os.environ["HPCKPT_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hpckpt" / name

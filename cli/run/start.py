@@ -52,7 +52,8 @@ def start(ctx: typer.Context, spec: dict) -> None:
     except (JobFailedError, InterruptedRunError):
         _remove_abandoned(dest, existed)  # every process of the job is gone: what it staged goes too
         raise
-    with critical("while the job's report was made"):  # done: a signal now is too late to undo anything (it is said, and the run succeeds)
+    # done: a signal now is too late to undo anything (it is said, and the run succeeds)
+    with critical("while the job's report was made"):
         if outcome.message:  # a rank died in teardown, or a signal came, after every rank reported success
             _output.warn(outcome.message)
         report.check_complete(plan, outcome.run)

@@ -9,6 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
+from hpckpt.core.commit.destination import recognised
 from hpckpt.core.commit.leftovers import DIST_MARK, FRAGMENT_DIR, TMP_MARK, beside, remove_leftover, remove_stale_staging
 from hpckpt.core.commit.lock import DestinationLock
 from hpckpt.core.errors import DestinationLockedError
@@ -33,14 +34,9 @@ def remove_abandoned(dest: Path, existed: bool) -> list[Path]:
         if os.path.lexists(shared):
             remove_leftover(shared)
         remove_stale_staging(dest)
-        if not existed and dest.is_dir() and (dest / FRAGMENT_DIR).is_dir() and not _finished(dest):
+        if not existed and dest.is_dir() and (dest / FRAGMENT_DIR).is_dir() and not recognised(dest):
             shutil.rmtree(dest, ignore_errors=True)  # a fan-out this job began: no other run's data in it
             removed.append(dest)
     finally:
         lock.release()  # (an exclusive holder removes the lock file)
     return [*(p for p in before if not os.path.lexists(p)), *removed]
-
-
-def _finished(dest: Path) -> bool:
-    """The fan-out was finalized after all (its metadata is there)."""
-    return any(name in os.listdir(dest) for name in (".metadata", "metadata.json"))

@@ -100,7 +100,7 @@ def refuse_not_fan_out(dest: Path) -> None:
     if not dest.is_dir():
         raise DestinationExistsError(f"{dest} exists and is not a directory", hint=hint)
     names = os.listdir(dest)
-    if names and FRAGMENT_DIR not in names and _recognised(dest):
+    if names and FRAGMENT_DIR not in names and recognised(dest):
         raise DestinationExistsError(f"{dest} is already a finished checkpoint", hint=hint)
     if names and FRAGMENT_DIR not in names:
         raise DestinationExistsError(f"{dest} exists and is not a fan-out in progress (it holds {len(names)} "
@@ -163,7 +163,7 @@ def _foreign(path: Path) -> str | None:
         names = os.listdir(path)
         if not names or FRAGMENT_DIR in names:
             return None
-        if not _recognised(path):
+        if not recognised(path):
             return f"it holds {len(names)} {'entry' if len(names) == 1 else 'entries'} and no checkpoint"
         return _unaccounted(path, names)
     if path.is_file():
@@ -171,7 +171,7 @@ def _foreign(path: Path) -> str | None:
             return None if _is_manifest(path) else "it is not a manifest hpckpt wrote"
         if sidecar_owner_path(path) is not None:
             return None if _is_sidecar(path) else "it is not a values sidecar hpckpt wrote"
-        return None if _recognised(path) else (f"it is a file of {path.stat().st_size} bytes and no checkpoint "
+        return None if recognised(path) else (f"it is a file of {path.stat().st_size} bytes and no checkpoint "
                                                "hpckpt recognises")
     return "it is neither a regular file nor a directory"
 
@@ -221,7 +221,8 @@ def _hpckpt_own(directory: Path, name: str, listed: set[str], fmt: str) -> bool:
         return False
 
 
-def _recognised(path: Path) -> bool:
+def recognised(path: Path) -> bool:
+    """`path` is a checkpoint of a format hpckpt reads (a broken one too)."""
     try:
         formats.known().detect(path)
     except CorruptMetadataError:

@@ -257,4 +257,3 @@ class ObjectStaging:
                     self._release_mark()
         finally:
             shutil.rmtree(self.path, ignore_errors=True)
-

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from hpckpt.core.commit.durable import start_writeback
 from hpckpt.core.commit.replace import replace_file
+from hpckpt.core.paths import cache_directory
 
 PROBE_BYTES = 64 * 1024 * 1024
 BLOCK = 8 * 1024 * 1024
@@ -29,11 +30,8 @@ _MIN_SECONDS = 1e-4  # below this a measurement says nothing
 
 
 def _cache_file() -> Path | None:
-    if os.environ.get("HPCKPT_NO_CACHE"):
-        return None
-    base = os.environ.get("HPCKPT_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "hpckpt")
-    return Path(base) / "bandwidth.json"
+    directory = cache_directory()
+    return None if directory is None else directory / "bandwidth.json"
 
 
 def _load() -> dict:

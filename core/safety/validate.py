@@ -99,7 +99,7 @@ def _one_per_file(findings: list[Finding]) -> list[Finding]:
             out.append(f)
         elif id(group) not in said:
             said.add(id(group))
-            details = tuple(d for g in group for d in (g.details or (g.message,)))
+            details = tuple(g.message for g in group)
             head = next((g for g in group if ": truncated: " in g.message), f)
             out.append(Finding(f.kind, "error", f"{head.message} (and {len(details) - 1} more problem(s) in this file)",
                                file=f.file, details=details))
@@ -148,10 +148,9 @@ def _check_files(index: CheckpointIndex, findings: list[Finding]) -> set[str]:
             findings.append(_error(exc, file=name))
             bad.add(name)
             continue
-        if problems:  # one finding per damaged file: its first problem, the others as details
-            more = f" (and {len(problems) - 1} more problem(s) in this file)" if len(problems) > 1 else ""
-            findings.append(Finding("corrupt-data", "error", f"{name}: {problems[0]}{more}", file=name,
-                                    details=tuple(problems) if len(problems) > 1 else ()))
+        for problem in problems:  # (said as one line per file: `_one_per_file`)
+            findings.append(Finding("corrupt-data", "error", f"{name}: {problem}", file=name))
+        if problems:
             bad.add(name)
     return bad
 
@@ -195,10 +194,16 @@ def _check_tensor(index: CheckpointIndex, entry: TensorEntry, bad_files: set[str
     findings.extend(_coverage(entry, inside))
 
 
-def coverage(entry: TensorEntry) -> list[Finding]:
-    """The gaps and overlaps of one tensor's stored boxes (`geometry` findings, their `boxes`
-    naming each region as `[0:2, 4:8]`, at most a few per finding): what a shard map marks."""
-    return _coverage(entry, [b for b in entry.boxes if b.inside(entry.shape)])
+def coverage(entry: TensorEntry) -> dict[str, list[str]]:
+    """The gaps and overlaps of one tensor's stored boxes, what a shard map marks: `gaps` and
+    `overlaps` as regions (`[0:2, 4:8]`, at most a few of each), `notes` what is wrong but could
+    not be located; empty when the boxes tile the tensor."""
+    out: dict[str, list[str]] = {}
+    for finding in _coverage(entry, [b for b in entry.boxes if b.inside(entry.shape)]):
+        kind = "notes" if not finding.boxes else "gaps" if finding.message.startswith(f"{entry.fqn}: no chunk covers") \
+            else "overlaps"
+        out.setdefault(kind, []).extend(finding.boxes or [finding.message])
+    return out
 
 
 def _coverage(entry: TensorEntry, boxes: list[Box]) -> list[Finding]:
