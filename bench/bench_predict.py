@@ -4,7 +4,8 @@ A HyperParallel checkpoint of `--size-gib` GiB on 4 ranks (random float32 and bf
 is resharded onto 8 ranks: first `--plan` (the bandwidth probes run on an empty cache, as on a new
 machine), then the real reshard `--rounds` times (fsynced, and with --no-fsync), each from the
 page cache as the probe read it. Prints the predicted and the measured seconds (the command's own
-`seconds`, the median of the rounds) and their ratio; the goal is a ratio within 0.75..1.25.
+`seconds`, the median of the rounds) and their ratio; the goal is a ratio within 0.75..1.25. Then
+the write probe alone at three sizes, twice each (what a fixed cost per fsync does to it).
 
     python bench/bench_predict.py --size-gib 1 --rounds 3
 """
@@ -83,6 +84,12 @@ def main() -> None:
             print(f"| {'fsynced' if sync else '--no-fsync'} | {predicted:.2f} | {median:.2f} "
                   f"({', '.join(f'{m:.2f}' for m in measured)}) | {predicted / median:.2f} | read "
                   f"{p['read_bytes_per_s'] / 2**30:.2f} GiB/s, write {p['write_bytes_per_s'] / 2**30:.2f} GiB/s |")
+        from hpckpt.core.io.bandwidth import probe_write
+
+        print("\n| write probe, fsynced | MiB/s (twice) |\n|---|---|")
+        for mib in (16, 64, 256):
+            speeds = [probe_write(scratch, True, mib << 20) / 2**20 for _ in range(2)]
+            print(f"| {mib} MiB | {speeds[0]:.0f}, {speeds[1]:.0f} |")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

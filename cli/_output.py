@@ -134,10 +134,11 @@ def warn_skipped(report) -> None:
             by_reason.setdefault(entry["reason"], []).append(printable(entry["name"]))
         for reason, names in by_reason.items():
             _print_warning(f"{what} ({reason}): {', '.join(names)}")
-    # the source reader's notes (a file holding pieces of larger tensors) and the layout's (a
-    # placement that does not fit every tensor it applies to, which says so itself)
+    # the source reader's notes (a file holding pieces of larger tensors), the layout's (a
+    # placement that does not fit every tensor it applies to) and the destination's (MindFormers'
+    # tracker), the last two saying so themselves
     for note in report.get("warnings") or []:
-        _print_warning(note if note.startswith("layout: ") else f"source: {note}")
+        _print_warning(note if note.startswith(("layout: ", "destination: ")) else f"source: {note}")
 
 
 def _print_warning(message: str) -> None:

@@ -28,6 +28,7 @@ from hpckpt.core.codecs.safetensors_io import encode_header
 from hpckpt.core.errors import (
     CorruptDataError,
     CorruptMetadataError,
+    HpckptError,
     MissingFileError,
     ReshardOptionError,
     UnknownFormatError,
@@ -72,7 +73,7 @@ def iteration_of(path: Path) -> Path | None:
 
 def _tracker_text(tracker: Path) -> str:
     """What a tracker file says (MindFormers writes the bare number)."""
-    return input_files.read_small(tracker, "iteration tracker", 64).decode("ascii", "replace").strip()
+    return input_files.read_small(tracker, "tracker file", 64).decode("ascii", "replace").strip()
 
 
 class MindFormersLocator(DataFileLocator):
@@ -375,14 +376,19 @@ def update_tracker(dest) -> tuple[tuple[str, ...], tuple[str, ...]]:
     if found is None:
         return (), ()
     number, tracker = int(found.group(1)), dest.parent / TRACKER
-    text = _tracker_text(tracker) if lexists(tracker) else ""
-    current = int(text) if text.isdigit() else None
-    if current is not None and current > number:
-        return (), (f"{tracker} names iteration {current}, newer than {dest.name}: left as it is",)
-    if is_object(tracker):
-        tracker.store.put(tracker.key, str(number).encode())
-    else:
-        replace_file(tracker, str(number).encode(), fsync=True, fsync_dir=True)
+    try:
+        text = _tracker_text(tracker) if lexists(tracker) else ""
+        current = int(text) if text.isdigit() else None
+        if current is not None and current > number:
+            return (), (f"destination: {tracker} names iteration {current}, newer than {dest.name}: left as it is",)
+        if is_object(tracker):
+            tracker.store.put(tracker.key, str(number).encode())
+        else:
+            replace_file(tracker, str(number).encode(), fsync=True, fsync_dir=True)
+    except (OSError, HpckptError) as exc:  # the output is complete and loads by its own path: said, not undone
+        reason = exc.message if isinstance(exc, HpckptError) else f"{tracker}: {exc.strerror or exc}"
+        return (), (f"destination: the tracker was not updated ({reason}); {dest.name} is complete, but the "
+                    "root's tracker does not name it",)
     return (str(tracker),), ()
 
 

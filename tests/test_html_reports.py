@@ -289,3 +289,12 @@ def test_a_consolidate_dry_run_page_draws_whole_tensors(tmp_path):
     assert [(b["data-region"], b["data-ranks"]) for b in rects(target, "box")] == [("[0:8, 0:4]", "0")]
     assert "--html goes with --dry-run" in hpckpt("consolidate", root, "-o", tmp_path / "m.safetensors", "--html",
                                                   page, code=2)
+
+
+def test_a_page_that_cannot_be_written_is_one_line_and_exit_19(tmp_path):
+    root = checkpoint(tmp_path / "ck")
+    result = runner.invoke(app, ["inspect", str(root), "--html", str(tmp_path / "no" / "such" / "map.html")])
+    assert result.exit_code == 19, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "map.html" in errors[0] and "Traceback" not in result.stderr
+    assert not (tmp_path / "no").exists()

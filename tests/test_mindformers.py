@@ -194,6 +194,12 @@ def test_reshard_into_mindformers_with_every_replica_and_its_tracker(tmp_path):
     out = hpckpt("reshard", str(source), "-o", str(root / "iteration_00000006"), "--to", "mf", *layout, "--json")
     assert "names iteration 7, newer than iteration_00000006: left as it is" in out, out
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "7"
+    # a tracker that cannot be written does not undo the complete output: said, exit 0
+    blocked = tmp_path / "blocked"
+    (blocked / "latest_checkpointed_iteration.txt").mkdir(parents=True)
+    out = hpckpt("reshard", str(source), "-o", str(blocked / "iteration_00000002"), "--to", "mf", *layout)
+    assert "the tracker was not updated" in out and "iteration_00000002 is complete" in out, out
+    assert hpckpt("diff", str(blocked / "iteration_00000002"), str(source)).startswith("equal:")
     # fanned out over two jobs: finalize writes the metadata, then the tracker
     fan = tmp_path / "fan"
     fan.mkdir()

@@ -68,9 +68,17 @@ def write_plan_page(path: Path, src, dst, source_format: str, target_format: str
 
 
 def write_page(path: Path, title: str, script: str, document: dict) -> int:
-    """Write the page to `path` whole (a temporary name, then a rename); returns its size."""
+    """Write the page to `path` whole (a temporary name, then a rename); returns its size.
+
+    Raises:
+        WriteFailedError, NoSpaceError: it cannot be written there (nothing is left behind).
+    """
+    from hpckpt.core.commit.durable import write_error
     from hpckpt.core.commit.replace import replace_file
 
     data = page(title, script, document).encode("utf-8")
-    replace_file(Path(path), data, fsync=False)
+    try:
+        replace_file(Path(path), data, fsync=False)
+    except OSError as exc:
+        raise write_error(exc, Path(path), len(data)) from None
     return len(data)
