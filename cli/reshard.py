@@ -147,6 +147,11 @@ def _write_plan_page(path: Path, src, index, spec, to: str, dtype, keep_replicas
                            plan_view(index, target, names), prediction)
 
 
+def _per_file(prediction: dict) -> str:
+    per_file = prediction.get("write_seconds_per_file", 0)
+    return f" + {per_file * 1e3:.1f} ms per file" if per_file else ""
+
+
 def render(report, prediction: dict | None = None) -> None:
     from hpckpt.cli._output import human_bytes, rate, result_line
     from hpckpt.cli._tables import write_table
@@ -169,8 +174,8 @@ def render(report, prediction: dict | None = None) -> None:
               f"{human_bytes(plan['bytes_read'])} (read amplification {amplification:.2f})")
         if prediction:
             print(f"Predicted: {prediction['seconds']:.2f} s (reads at {human_bytes(prediction['read_bytes_per_s'])}/s, "
-                  f"{prediction['read_from']}; writes at {human_bytes(prediction['write_bytes_per_s'])}/s, "
-                  f"{prediction['write_from']})")
+                  f"{prediction['read_from']}; writes at {human_bytes(prediction['write_bytes_per_s'])}/s"
+                  f"{_per_file(prediction)}, {prediction['write_from']})")
         return
     state = "written" if report["finalized"] else "written (fan-out share; run `hpckpt reshard --finalize` when all are done)"
     predicted = f"; predicted {prediction['seconds']:.2f} s" if prediction else ""

@@ -242,6 +242,9 @@ def test_the_plan_predicts_its_time_from_measured_or_given_bandwidth(tmp_path, m
                                                   for r in doc["plan"]["ranks"]]
     first = json.loads(hpckpt("reshard", src, "-o", out, "--world-size", "4", "--plan", "--json"))["prediction"]
     assert (first["read_from"], first["write_from"]) == ("probe", "probe") and first["seconds"] > 0
+    assert first["write_seconds_per_file"] >= 0  # the probe's two sizes separate a fixed cost from the rate
+    cache = json.loads((tmp_path / "cache" / "bandwidth.json").read_text())
+    assert sorted(k.split(":")[1] for k in cache) == ["read", "write"] and all("per_file_s" in v for v in cache.values())
     assert not [p for p in tmp_path.iterdir() if "-probe" in p.name]  # the probe's file is gone
     again = json.loads(hpckpt("reshard", src, "-o", out, "--world-size", "4", "--plan", "--json"))["prediction"]
     assert (again["read_from"], again["write_from"]) == ("cache", "cache") and again["seconds"] == first["seconds"]
