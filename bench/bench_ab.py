@@ -26,7 +26,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
-def operations(inputs: Path, out: Path, plan_source: Path | None = None) -> dict[str, list[str]]:
+def operations(inputs: Path, out: Path, plan_source: Path | None = None,
+               inspect_source: Path | None = None) -> dict[str, list[str]]:
     ops = {
         "reshard hp 4->8": ["reshard", str(inputs / "hp"), "-o", str(out / "r"), "--world-size", "8"],
         "reshard hp 4->8 --no-fsync": ["reshard", str(inputs / "hp"), "-o", str(out / "r"), "--world-size", "8",
@@ -45,6 +46,8 @@ def operations(inputs: Path, out: Path, plan_source: Path | None = None) -> dict
     if plan_source is not None:  # planning at scale (bench_plan.py's sources)
         ops[f"reshard --plan {plan_source.name} -> 4096"] = ["reshard", str(plan_source), "-o", str(out / "p"),
                                                             "--world-size", "4096", "--plan"]
+    if inspect_source is not None:  # a large metadata without a manifest, read cold (HPCKPT_NO_CACHE)
+        ops[f"inspect --json {inspect_source.name}, cold"] = ["inspect", str(inspect_source), "--json"]
     return ops
 
 
@@ -73,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="operations whose name contains this text")
     parser.add_argument("--plan-source", type=Path, help="a synthetic checkpoint of bench/make_synthetic_hp.py: "
                         "adds a `reshard --plan` onto 4,096 ranks")
+    parser.add_argument("--inspect-source", type=Path, help="a checkpoint whose metadata is read cold by `inspect "
+                        "--json` (bench_inspect.py's 64 x 10,000 one, without its manifest)")
     args = parser.parse_args(argv)
     if not (args.inputs / "hp" / ".metadata").is_file():
         parser.error(f"no inputs in {args.inputs}: run `python bench/bench_engine.py --generate-only` first")
@@ -80,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp)
         sides = {args.a: snapshot(args.a, tmp / "a"), args.b: snapshot(args.b, tmp / "b")}
         out = tmp / "out"
-        ops = {k: v for k, v in operations(args.inputs, out, args.plan_source).items() if not args.only or args.only in k}
+        ops = {k: v for k, v in operations(args.inputs, out, args.plan_source, args.inspect_source).items() if not args.only or args.only in k}
         times: dict[tuple[str, str], list[float]] = {}
         print(f"load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
         for _ in range(args.repeat):

@@ -134,12 +134,16 @@ def _check_storage(storage: dict, storage_types: tuple[type, type], where: str) 
     what is hashed later must be checked first (a deeply nested tuple hashed overflows the C
     stack). One pass over the keys, one C-speed pass over the entries."""
     key_type, info_type = storage_types
+    keys = set(map(type, storage))
+    if keys - {key_type}:
+        raise CorruptMetadataError(f"{where}: storage_data has a key of type {(keys - {key_type}).pop().__name__}")
     with schema_errors(f"{where}: storage_data key"):
-        kinds = {(type(key), type(key.fqn), type(key.index)) for key in storage}
-    for kind in kinds:
-        if kind[0] is not key_type or kind[1] is not str or kind[2] not in (int, type(None)):
-            raise CorruptMetadataError(f"{where}: storage_data has a key of type {kind[0].__name__} whose fqn is "
-                                       f"a {kind[1].__name__} and index a {kind[2].__name__}")
+        fqns = set(map(type, map(operator.attrgetter("fqn"), storage)))
+        indexes = set(map(type, map(operator.attrgetter("index"), storage)))
+    if fqns - {str} or indexes - {int, type(None)}:
+        raise CorruptMetadataError(f"{where}: storage_data has a key of type {key_type.__name__} whose fqn is "
+                                   f"a {(fqns - {str} or fqns).pop().__name__} and index a "
+                                   f"{(indexes - {int, type(None)} or indexes).pop().__name__}")
     _check_types(storage.values(), (info_type,), "entries", where)
     with schema_errors(f"{where}: storage_data entry"):  # every reader reads it: one missing is a schema error
         _check_types(map(operator.attrgetter("relative_path"), storage.values()), (str,), "a relative_path", where)

@@ -1,0 +1,215 @@
+"""The global plan of `hpckpt.dist.save` at internet scale, simulated in one process.
+
+    python bench/bench_plan_scale.py --ranks 1024,4096,16384 --tensors 1000 --layouts fsdp,hsdp,tp
+
+No real ranks: each rank's `LocalPlan` is made from arrays (what a rank of that layout holds),
+then everything `hpckpt.dist.save` does with the plans is timed, each (ranks, layout) case in a
+fresh child process so that its peak RSS is its own:
+
+  rank      one rank's part: `LocalPlan` from its boxes, `to_json`, `json.dumps` (the bytes it
+            sends in the plan exchange; the table gives rank 0's and the largest of all ranks);
+  gather    what every rank does with the gathered plans today: `json.loads` + `from_json` of
+            all of them (the all-gather hands every rank every plan);
+  global    `build_global_plan(plans, dedup="balanced")`, the coordinator's planning;
+  own plan  `global_plan.plan([0])`, the Plan of the boxes one rank writes;
+  hit       the plan cache's hit path: every rank's `digest()` (each rank does its own; the
+            figure is one rank's) and `plan_key` over all the digests (what every rank does);
+  metadata  the HyperParallel `.metadata` the coordinator writes (`dumps_metadata`), its size
+            (skipped with --no-metadata).
+
+Peak RSS is read from the kernel after each phase (VmHWM, reset between phases through
+`/proc/self/clear_refs`), so each phase's figure is its own peak. The job's state: `--tensors`
+LLM-like tensors (per layer q, k, v, o, gate, up, down, two norms), laid out as
+  fsdp  Shard(0) over every rank (torch.chunk's rule; ranks past the rows hold an empty box),
+  hsdp  a 2-D mesh (8, N/8): Replicate over dim 0, Shard(0) over dim 1 (8 replicas of each box),
+  tp    a 2-D mesh (N/8, 8): Shard(0) over dim 0, Shard(1) over dim 1 (2-D sharding).
+Goal (issue 29): under 2 s and 1 GiB for the coordinator at 16,384 ranks x 1,000 tensors, and a
+rank's exchange O(its own boxes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HIDDEN, KV, MLP = 8192, 1024, 28672
+
+
+def tensors_of(n: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    per_layer = [("q", (HIDDEN, HIDDEN)), ("k", (KV, HIDDEN)), ("v", (KV, HIDDEN)), ("o", (HIDDEN, HIDDEN)),
+                 ("gate", (MLP, HIDDEN)), ("up", (MLP, HIDDEN)), ("down", (HIDDEN, MLP)),
+                 ("norm1", (HIDDEN,)), ("norm2", (HIDDEN,))]
+    out = []
+    while len(out) < n:
+        layer = len(out) // len(per_layer)
+        name, shape = per_layer[len(out) % len(per_layer)]
+        out.append((f"model.layers.{layer}.{name}.weight", "bfloat16", shape))
+    return out
+
+
+def chunk_rule(length: int, parts: int, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """torch.chunk's split of `length` into `parts`: (start, size) of part `index` (an array)."""
+    step = -(-length // parts)
+    start = np.minimum(index * step, length)
+    return start, np.minimum(start + step, length) - start
+
+
+def rank_boxes(shape: tuple[int, ...], layout: str, world: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(offsets, sizes)` `[world, ndim]` of the box each rank holds of a tensor of `shape`."""
+    ranks = np.arange(world)
+    offsets = np.zeros((world, len(shape)), np.int64)
+    sizes = np.tile(np.array(shape, np.int64), (world, 1))
+    if layout == "fsdp":
+        offsets[:, 0], sizes[:, 0] = chunk_rule(shape[0], world, ranks)
+    elif layout == "hsdp":
+        offsets[:, 0], sizes[:, 0] = chunk_rule(shape[0], world // 8, ranks % (world // 8))
+    elif layout == "tp":
+        offsets[:, 0], sizes[:, 0] = chunk_rule(shape[0], world // 8, ranks // 8)
+        if len(shape) > 1:
+            offsets[:, 1], sizes[:, 1] = chunk_rule(shape[1], 8, ranks % 8)
+    return offsets, sizes
+
+
+def peak_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def one_case(world: int, n_tensors: int, layout: str, metadata: bool) -> dict:
+    from hpckpt.core.geometry.global_plan import LocalPlan, build_global_plan, plan_key
+
+    tensors = tensors_of(n_tensors)
+    names, dtypes, shapes = [t[0] for t in tensors], [t[1] for t in tensors], [list(t[2]) for t in tensors]
+    # the state: per tensor, every rank's box; rows (position, slot, offsets[2], sizes[2]) per rank
+    table = np.zeros((world, n_tensors, 6), np.int64)
+    for t, (_, _, shape) in enumerate(tensors):
+        offsets, sizes = rank_boxes(shape, layout, world)
+        table[:, t, 0] = t
+        table[:, t, 2:2 + len(shape)] = offsets
+        table[:, t, 4:4 + len(shape)] = sizes
+    out = {"ranks": world, "tensors": n_tensors, "layout": layout, "state_mib": round(peak_mib())}
+
+    t0 = time.perf_counter()
+    wires = []
+    sent = []
+    for r in range(world):
+        wire = json.dumps(LocalPlan(r, names, dtypes, shapes, table[r]).to_json(), separators=(",", ":"))
+        sent.append(len(wire))
+        wires.append(wire)
+    out["rank_s"] = (time.perf_counter() - t0) / world
+    out["rank0_sent_kib"] = sent[0] / 1024
+    out["max_sent_kib"] = max(sent) / 1024
+    out["gathered_mib"] = sum(sent) / 2**20
+    del table
+
+    reset_peak()
+    t0 = time.perf_counter()
+    plans = [LocalPlan.from_json(json.loads(w)) for w in wires]
+    out["gather_s"] = time.perf_counter() - t0
+    out["gather_peak_mib"] = peak_mib()
+    del wires
+
+    reset_peak()
+    base = peak_mib()
+    t0 = time.perf_counter()
+    gp = build_global_plan(plans, dedup="balanced")
+    out["global_s"] = time.perf_counter() - t0
+    out["global_peak_mib"] = peak_mib()
+    out["global_added_mib"] = peak_mib() - base
+    out["stored_boxes"] = int(len(gp.tid))
+    out["gathered_boxes"] = int(sum(len(p.boxes) for p in plans))
+
+    t0 = time.perf_counter()
+    mine = gp.plan([0])
+    out["own_plan_s"] = time.perf_counter() - t0
+    out["own_boxes"] = sum(len(t.boxes) for t in mine.tensors)
+
+    t0 = time.perf_counter()
+    digest = plans[0].digest()
+    out["digest_s"] = time.perf_counter() - t0
+    digests = [digest] * world  # (every rank's is its own; the key's cost is in its length)
+    t0 = time.perf_counter()
+    plan_key(digests, {"dedup": "balanced", "world_size": world})
+    out["key_s"] = time.perf_counter() - t0
+    del plans
+
+    if metadata:
+        from hpckpt.core.codecs.hyperparallel_metadata import dumps_metadata
+
+        reset_peak()
+        t0 = time.perf_counter()
+        out["metadata_mib"] = len(dumps_metadata(_metadata(gp.plan()))) / 2**20
+        out["metadata_s"] = time.perf_counter() - t0
+        out["metadata_peak_mib"] = peak_mib()
+    return out
+
+
+def _metadata(plan):
+    """The `.metadata` HyperParallel's writer would write for `plan` (tensor entries and
+    storage_data; offsets in the files are left 0: the size is what is measured)."""
+    from hpckpt.core.codecs import hyperparallel_metadata as hm
+
+    state, storage = {}, {}
+    for t in plan.tensors:
+        chunks = [hm.ChunkStorageMetadata(b.box.offsets, b.box.sizes) for b in t.boxes]
+        state[t.fqn] = hm.TensorStorageMetadata(hm.TensorProperties("torch.bfloat16"), t.shape, chunks)
+        for b in t.boxes:
+            storage[hm.MetadataIndex(t.fqn, b.box.offsets, b.index)] = hm.StorageInfo(
+                f"_rank{b.rank}_.safetensors", 0, t.box_nbytes(b), t.fqn)
+    return hm.Metadata(state, None, storage)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="1024,4096,16384")
+    parser.add_argument("--tensors", type=int, default=1000)
+    parser.add_argument("--layouts", default="fsdp,hsdp,tp")
+    parser.add_argument("--no-metadata", action="store_true")
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.case:
+        world, layout = args.case.split(":")
+        print(json.dumps(one_case(int(world), args.tensors, layout, not args.no_metadata)))
+        return
+    print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    print("| ranks | layout | boxes gathered / stored | rank: s, KiB sent (rank 0 / largest) | gather: s, peak MiB "
+          "| global plan: s, peak MiB | own plan s (boxes) | hit: digest s, key s | .metadata MiB, s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for world in map(int, args.ranks.split(",")):
+        for layout in args.layouts.split(","):
+            cmd = [sys.executable, __file__, "--case", f"{world}:{layout}", "--tensors", str(args.tensors)]
+            if args.no_metadata:
+                cmd.append("--no-metadata")
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                print(f"| {world} | {layout} | failed: {done.stderr.strip().splitlines()[-1:]} |", flush=True)
+                continue
+            r = json.loads(done.stdout)
+            meta = f"{r['metadata_mib']:.0f}, {r['metadata_s']:.1f}" if "metadata_mib" in r else "-"
+            print(f"| {world:,} | {layout} | {r['gathered_boxes']:,} / {r['stored_boxes']:,} | {r['rank_s'] * 1e3:.1f} ms, "
+                  f"{r['rank0_sent_kib']:.0f} / {r['max_sent_kib']:.0f} (all: {r['gathered_mib']:.0f} MiB) | "
+                  f"{r['gather_s']:.2f}, {r['gather_peak_mib']:.0f} | {r['global_s']:.2f}, {r['global_peak_mib']:.0f} | "
+                  f"{r['own_plan_s']:.3f} ({r['own_boxes']:,}) | {r['digest_s'] * 1e3:.1f} ms, {r['key_s'] * 1e3:.1f} ms | "
+                  f"{meta} |", flush=True)
+    print(f"load average {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
