@@ -134,28 +134,29 @@ def _check_storage(storage: dict, storage_types: tuple[type, type], where: str) 
     what is hashed later must be checked first (a deeply nested tuple hashed overflows the C
     stack). One pass over the keys, one C-speed pass over the entries."""
     key_type, info_type = storage_types
-    keys = set(map(type, storage))
-    if keys - {key_type}:
-        raise CorruptMetadataError(f"{where}: storage_data has a key of type {(keys - {key_type}).pop().__name__}")
     with schema_errors(f"{where}: storage_data key"):
-        fqns = set(map(type, map(operator.attrgetter("fqn"), storage)))
-        indexes = set(map(type, map(operator.attrgetter("index"), storage)))
-    if fqns - {str} or indexes - {int, type(None)}:
-        raise CorruptMetadataError(f"{where}: storage_data has a key of type {key_type.__name__} whose fqn is "
-                                   f"a {(fqns - {str} or fqns).pop().__name__} and index a "
-                                   f"{(indexes - {int, type(None)} or indexes).pop().__name__}")
+        kinds = {(type(key), type(key.fqn), type(key.index)) for key in storage}
+    for kind in kinds:
+        if kind[0] is not key_type or kind[1] is not str or kind[2] not in (int, type(None)):
+            raise CorruptMetadataError(f"{where}: storage_data has a key of type {kind[0].__name__} whose fqn is "
+                                       f"a {kind[1].__name__} and index a {kind[2].__name__}")
     _check_types(storage.values(), (info_type,), "entries", where)
     with schema_errors(f"{where}: storage_data entry"):  # every reader reads it: one missing is a schema error
-        _check_types(map(operator.attrgetter("relative_path"), storage.values()), (str,), "a relative_path", where)
-    if hasattr(info_type, "tensor_key"):  # HyperParallel's: a chunk's key in its file, looked up (hashed) later
-        _check_types(map(operator.attrgetter("tensor_key"), storage.values()), (str, type(None)),
-                     "a tensor_key", where)
+        if hasattr(info_type, "tensor_key"):  # HyperParallel's: a chunk's key in its file, looked up (hashed) later
+            kinds = {(type(info.relative_path), type(info.tensor_key)) for info in storage.values()}  # (one pass)
+            _check_found({p for p, _ in kinds}, (str,), "a relative_path", where)
+            _check_found({k for _, k in kinds}, (str, type(None)), "a tensor_key", where)
+        else:
+            _check_types(map(operator.attrgetter("relative_path"), storage.values()), (str,), "a relative_path", where)
 
 
 def _check_types(objects: Iterable, allowed: tuple, what: str, where: str) -> None:
     """One C-speed pass: every object is of an allowed type (checked before anything hashes them:
     a deeply nested tuple hashed overflows the C stack)."""
-    found = set(map(type, objects))
+    _check_found(set(map(type, objects)), allowed, what, where)
+
+
+def _check_found(found: set, allowed: tuple, what: str, where: str) -> None:
     wrong = found.difference(allowed)
     if wrong:
         names = ", ".join(sorted(t.__name__ for t in wrong))
