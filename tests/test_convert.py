@@ -27,6 +27,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -1079,3 +1080,33 @@ def test_name_reports_count_only_the_selected_entries_and_name_every_ambiguity(t
     doc = json.loads(out.stdout)
     assert doc["only_a"] == [] and doc["only_b"] == [] and doc["equal"] is True, doc
     assert sorted(t["name"] for t in doc["tensors"]) == ["lm_head.weight", "ln_f.gamma", "tok_embeddings.embedding_table"]
+
+
+@pytest.mark.parametrize("manifest", [True, False], ids=["hashed", "no-manifest"])
+def test_pt_crcs_are_taken_as_the_bytes_are_written(manifest, tmp_path):
+    """Each zip member's CRC-32 comes from the copy itself (no read-back): a mapped source range
+    (5 MiB), the piece buffer (small), gathered tiles (cast to bf16), an empty member; with and
+    without the manifest's hashing. `testzip`, torch (mmap) and hpckpt reading the output back as
+    a source (it checks every storage's CRC) agree with the source."""
+    from safetensors.numpy import save_file
+
+    from hpckpt.core.io.write import WriteSettings
+
+    rng = np.random.default_rng(5)
+    arrays = {"big": rng.standard_normal((1280, 1024)).astype(np.float32),
+              "small": np.arange(1000, dtype=np.int32), "empty": np.zeros((0, 3), np.float32)}
+    src = tmp_path / "src.safetensors"
+    save_file(arrays, str(src))
+    settings = WriteSettings(manifest=manifest)
+    api.convert(src, tmp_path / "same.pt", settings=settings)
+    api.convert(src, tmp_path / "cast.pt", dtype="bf16", settings=settings)
+    api.convert(tmp_path / "cast.pt", tmp_path / "again.pt", settings=settings)
+    for name in ("same.pt", "cast.pt", "again.pt"):
+        with zipfile.ZipFile(tmp_path / name) as zf:
+            assert zf.testzip() is None, name
+    for name, cast in (("same.pt", None), ("cast.pt", torch.bfloat16), ("again.pt", torch.bfloat16)):
+        got = torch.load(tmp_path / name, weights_only=True, mmap=True)
+        for key, array in arrays.items():
+            want = torch.from_numpy(array)
+            want = want.to(cast) if cast is not None and want.is_floating_point() else want
+            assert torch.equal(got[key], want), (name, key)

@@ -173,6 +173,7 @@ class TorchArchive:
         self._names: set[str] = set()
         self._tensors: list[tuple[str, int]] = []  # (key, nbytes)
         self._records: list[_Record] = []
+        self._by_key: dict[str, _Record] = {}  # tensors' records: `tensor_extent` once per tensor
         self.base = 0
         self.size = 0
 
@@ -237,6 +238,7 @@ class TorchArchive:
             record.data_offset = position + len(_local_header(record))
             position = record.data_offset + size + len(_descriptor(record))
             self._records.append(record)
+        self._by_key = {r.key: r for r in self._records if r.key is not None}
         self._directory_at = position
         directory = sum(len(_central_header(r)) for r in self._records)
         self.size = position + directory + _END64.size + _LOCATOR64.size + _END.size
@@ -255,7 +257,7 @@ class TorchArchive:
 
     def tensor_extent(self, key: str) -> tuple[int, int]:
         """`(file offset, nbytes)` of tensor `key`'s data."""
-        record = next(r for r in self._records if r.key == key)
+        record = self._by_key[key]
         return self.base + record.data_offset, record.size
 
     def tensor_keys(self) -> list[str]:

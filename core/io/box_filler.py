@@ -1,10 +1,11 @@
 """Filling the boxes of one output file from the source: the engine's worker, one per file.
 
 A tile that one source chunk holds as one contiguous run is copied without a buffer (by the kernel;
-from a mapping of the source a MiB at a time when hashing; straight from an array in memory); any
-other is gathered into one buffer, cast if asked and written with one `pwrite`. Each box's digest
-is taken from the bytes as they are written. Writeback is started as ranges complete, and the
-worker stops at its next range once the stop flag is set.
+from a mapping of the source a MiB at a time when summing; straight from an array in memory); any
+other is gathered into one buffer, cast if asked and written with one `pwrite`. Each box's digest,
+and its CRC-32 when the format records one (zip members), are taken from the bytes as they are
+written, so no byte is read back. Writeback is started as ranges complete, and the worker stops at
+its next range once the stop flag is set.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import zlib
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -112,6 +114,32 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 Pieces = list[tuple[Chunk, Box]]
 
 
+class Filled(NamedTuple):
+    """What was taken of a box's bytes as they were written: its digest (None when not hashing)
+    and its CRC-32 (None unless its placement asks for one)."""
+
+    digest: str | None
+    crc: int | None
+
+
+class _Sums:
+    """The digest and the CRC-32 of one box, updated piece by piece from the bytes written, while a
+    core still caches them: one pass over the bytes serves the copy and both sums."""
+
+    def __init__(self, hashing: bool, crc: bool):
+        self.hasher = digest.new() if hashing else None
+        self.crc = 0 if crc else None
+
+    def update(self, piece: memoryview) -> None:
+        if self.hasher is not None:
+            self.hasher.update(piece)
+        if self.crc is not None:
+            self.crc = zlib.crc32(piece, self.crc)  # (releases the GIL from 5 KiB up)
+
+    def result(self) -> Filled:
+        return Filled(None if self.hasher is None else self.hasher.hexdigest(), self.crc)
+
+
 class BoxFiller:
     """Fills planned boxes of one output file from their source pieces, one tile at a time."""
 
@@ -122,16 +150,18 @@ class BoxFiller:
         self.stop = stop
         self.hashing = hashing
         self._buffer: np.ndarray | None = None
+        self._sums: _Sums | None = None  # the box being filled's, None when nothing is summed
         self._piece: memoryview | None = None  # the buffer of small hashed copies (`_copy_buffered`)
         self._flushed = 0  # writeback has been started for the file's bytes before this offset
 
-    def fill(self, placement: Placement, pieces: Pieces) -> str | None:
-        """Write the box; return its digest (`core.io.digest`), taken from the bytes as they are
-        written (tiles come in the box's C order), or None when not hashing."""
+    def fill(self, placement: Placement, pieces: Pieces) -> Filled:
+        """Write the box; return its digest (`core.io.digest`) and the CRC-32 its placement asks
+        for, both taken from the bytes as they are written (tiles come in the box's C order)."""
         tensor, box = placement.tensor, placement.box.box
         entry = self.index.tensors[tensor.fqn]
         itemsize = tensor.dtype.itemsize
-        self._hasher = digest.new() if self.hashing else None
+        needs_crc = placement.checksum is not None
+        self._sums = _Sums(self.hashing, needs_crc) if self.hashing or needs_crc else None
         for tile_local in contiguous_tiles(box.sizes, itemsize, self.budget):
             check_stop(self.stop)
             tile = Box(tuple(o + t for o, t in zip(box.offsets, tile_local.offsets)), tile_local.sizes)
@@ -144,28 +174,28 @@ class BoxFiller:
             for at, count, skip in _runs(placement.extents, start, len(data)):
                 self._write(data[skip:skip + count], at)
                 self._written(at, count)
-        return None if self._hasher is None else self._hasher.hexdigest()
+        return Filled(None, None) if self._sums is None else self._sums.result()
 
     def _write(self, data: memoryview, at: int) -> None:
-        """Write bytes from memory, hashing them when hashing: a piece at a time, each hashed just
+        """Write bytes from memory, summing them when asked: a piece at a time, each summed just
         before its write, so that the write copies it from cache rather than from memory again."""
-        if self._hasher is None:
+        if self._sums is None:
             pwrite_all(self.fd, data, at)
             return
         done = 0
         while done < len(data):
             piece = data[done:done + _piece_length(at + done, len(data) - done)]
-            self._hasher.update(piece)
+            self._sums.update(piece)
             pwrite_all(self.fd, piece, at + done)
             done += len(piece)
 
     def _copy_from_file(self, path: Path, offset: int, count: int, at: int) -> None:
-        """Copy a byte range of a source file to the output, hashing it on the way when hashing:
-        the source is read once and the output never.
+        """Copy a byte range of a source file to the output, summing it on the way when asked
+        (digest, CRC-32): the source is read once and the output never.
 
-        Unhashed, the kernel copies it (`copy_file_range`). Hashed, a range from `MAP_MIN` up is
-        mapped, and each piece is hashed from the mapping and then written from it with `pwrite`,
-        while the hash has left it in this core's cache: one pass over the source serves both.
+        With no sum, the kernel copies it (`copy_file_range`). Summed, a range from `MAP_MIN` up is
+        mapped, and each piece is summed from the mapping and then written from it with `pwrite`,
+        while the sums have left it in this core's cache: one pass over the source serves all.
         That is as fast as the unhashed kernel copy or faster, and faster than the alternatives
         measured (docs/design-figures.md). Smaller ranges cost less read into the piece buffer
         than mapped."""
@@ -173,7 +203,7 @@ class BoxFiller:
         if not isinstance(fd, int):  # an object in a store: ranged GETs, no kernel copy, no mapping
             self._copy_object(fd, path, offset, count, at)
             return
-        if self._hasher is None:
+        if self._sums is None:
             copy_range(fd, self.fd, count, offset, at, path)
             return
         end = offset + count
@@ -212,7 +242,7 @@ class BoxFiller:
             self._write(piece, at + done)
 
     def _copy_buffered(self, fd: int, path: Path, start: int, end: int, shift: int) -> None:
-        """Copy and hash source bytes `[start, end)` to output offset `start + shift` through the
+        """Copy and sum source bytes `[start, end)` to output offset `start + shift` through the
         piece buffer."""
         if self._piece is None:
             self._piece = memoryview(bytearray(COPY_PIECE))
@@ -220,7 +250,7 @@ class BoxFiller:
             piece = self._piece[:min(COPY_PIECE, end - done)]
             if os.preadv(fd, [piece], done) != len(piece):
                 raise _truncated(path, start, end - start)
-            self._hasher.update(piece)
+            self._sums.update(piece)
             pwrite_all(self.fd, piece, done + shift)
 
     def _written(self, at: int, count: int) -> None:

@@ -4,13 +4,14 @@ This is the only place tensor bytes move and the only place threads work. Each f
 its final size and its fixed bytes written; then every box is filled tile by tile (a tile is a
 block of whole rows, contiguous in the output, within the memory budget). A tile that one source
 chunk holds as one contiguous byte run is copied without a tile buffer: by the kernel
-(`copy_file_range`), or, when hashing, from a mapping of the source a MiB at a time with
+(`copy_file_range`), or, when summing (digest, CRC-32), from a mapping of the source a MiB at a time with
 `pwrite`, or straight from an array in memory. Any other is gathered from its pieces with ranged
 reads (or from memory, for in-memory sources) into one buffer, cast if asked, and written with
-one `pwrite`. Every box's digest for the manifest is taken from the bytes as they are written,
-from the buffer or mapping they are written from. CRC-32s a format needs are computed by reading
-each range back on a worker while the next box is copied. Files are filled in parallel, one per
-worker (I/O, numpy and zlib release the GIL); what one worker does to its file is `box_filler.py`.
+one `pwrite`. Every box's digest for the manifest, and the CRC-32 a format records of a box (a
+zip member's), are taken from the bytes as they are written, from the buffer or mapping they are
+written from; only a CRC-32 of a range that is not one box (a `.ckpt` trailer) is read back, on a
+worker. Files are filled in parallel, one per worker (I/O, xxhash, numpy and zlib release the GIL);
+what one worker does to its file is `box_filler.py`.
 
 When the main thread leaves `execute` early (an error of one file, Ctrl-C, SIGTERM), the files
 not started are cancelled and the workers stop at their next copied range (a stop flag), so the
@@ -36,7 +37,7 @@ from hpckpt.core.geometry.overlap import ChunkIndex, boxes_to_arrays, check_cove
 from hpckpt.core.geometry.plan_stats import RankStats
 from hpckpt.core.index import CheckpointIndex, Location
 from hpckpt.core.io import digest
-from hpckpt.core.io.box_filler import BoxFiller, Pieces, Progress, check_stop, pwrite_all
+from hpckpt.core.io.box_filler import BoxFiller, Filled, Pieces, Progress, check_stop, pwrite_all
 from hpckpt.core.io.checksums import check_source, crc_of
 from hpckpt.core.io.output import Extent, FileLayout, Finished, OutputLayout, Placement
 from hpckpt.core.io.read import OpenFiles
@@ -76,17 +77,18 @@ def source_pieces(index: CheckpointIndex, placements: list[Placement]) -> dict[i
 
 
 def _fill_file(path: Path, layout: FileLayout, index: CheckpointIndex, pieces: dict[int, Pieces], budget: int,
-               progress: Progress, sync: bool, pool: ThreadPoolExecutor, crcs: list[tuple[str, Future]],
+               progress: Progress, sync: bool, pool: ThreadPoolExecutor, read_back: list[tuple[str, Future]],
                stop: threading.Event, hashing: bool,
-               filled: Callable[[str, int], None] | None = None) -> list[tuple[Placement, str | None]]:
-    """Fill one file; returns each box with its digest (None when not hashing). `filled(name,
-    upto)` is told how far from the start the file is final: as each box lands when the file is
-    written front to back (`_front_to_back`), and with its size once it is filled; only for a
-    file no CRC can change afterwards (`final_when_filled`)."""
+               filled: Callable[[str, int], None] | None = None) -> list[tuple[Placement, Filled]]:
+    """Fill one file; returns each box with its digest (None when not hashing) and CRC-32 (None
+    unless asked for); `read_back` gets the read-backs of the file's other checksummed ranges.
+    `filled(name, upto)` is told how far from the start the file is final: as each box lands when
+    the file is written front to back (`_front_to_back`), and with its size once it is filled;
+    only for a file no CRC can change afterwards (`final_when_filled`)."""
     check_stop(stop)
     final = filled is not None and final_when_filled(layout)
     growing = final and _front_to_back(layout)
-    boxes: list[tuple[Placement, str | None]] = []
+    boxes: list[tuple[Placement, Filled]] = []
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.ftruncate(fd, layout.size)
@@ -101,12 +103,10 @@ def _fill_file(path: Path, layout: FileLayout, index: CheckpointIndex, pieces: d
                 boxes.append((placement, filler.fill(placement, pieces[id(placement)])))
                 if growing:
                     filled(layout.name, placement.extents[-1].offset + placement.extents[-1].nbytes)
-                if placement.checksum is not None:
-                    crcs.append((placement.checksum, pool.submit(_crc_at, path, placement.extents)))
         for offset, data in fixed[done:]:
             pwrite_all(fd, memoryview(data), offset)
         for name, offset, nbytes in layout.checksums:
-            crcs.append((name, pool.submit(_crc_at, path, (Extent(offset, nbytes),))))
+            read_back.append((name, pool.submit(_crc_at, path, (Extent(offset, nbytes),))))
         if sync:
             start_writeback(fd)  # the fixed bytes and anything left
     finally:
@@ -214,12 +214,13 @@ def execute(layout: OutputLayout, index: CheckpointIndex, out_dir: Path, *, jobs
     pieces = source_pieces(index, placements)
     budget = max(1, max_memory // max(1, min(jobs, len(layout.files))))  # per file being filled at once
     checks = source_checksums(index, placements, pieces)
-    crcs: list[tuple[str, Future]] = []
+    read_back: list[tuple[str, Future]] = []  # CRC-32s of ranges that are not one box
     stop = threading.Event()
     pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="hpckpt-engine")
     # the sources' checks interleaved with the fills, so that they run while the disk writes
     work = [(check_source, (path, offset, nbytes, crc)) for (path, offset, nbytes), crc in checks.items()]
-    files = [(_fill_file, (out_dir / f.name, f, index, pieces, budget, report, sync, pool, crcs, stop, hashing, filled))
+    files = [(_fill_file, (out_dir / f.name, f, index, pieces, budget, report, sync, pool, read_back, stop, hashing,
+                            filled))
              for f in layout.files]
     order = [job for pair in zip_longest(files, work) for job in pair if job is not None]
     submitted: list[Future] = []
@@ -232,12 +233,19 @@ def execute(layout: OutputLayout, index: CheckpointIndex, out_dir: Path, *, jobs
         for future in submitted:
             future.result()
         boxes = {f.name: future.result() for f, future in zip(layout.files, writers)}
-        result = Executed({name: future.result() for name, future in crcs}, _rank_stats(placements, pieces), boxes)
+        crcs = {**_box_crcs(boxes), **{name: future.result() for name, future in read_back}}
+        digests = {name: [(p, sums.digest) for p, sums in filled] for name, filled in boxes.items()}
+        result = Executed(crcs, _rank_stats(placements, pieces), digests)
     except BaseException:
         _stop_workers(pool, stop, writers)
         raise
     pool.shutdown(wait=True)
     return result
+
+
+def _box_crcs(boxes: dict[str, list[tuple[Placement, Filled]]]) -> dict[str, int]:
+    """The CRC-32 of every box whose placement asked for one, by its id (taken as it was written)."""
+    return {p.checksum: sums.crc for filled in boxes.values() for p, sums in filled if p.checksum is not None}
 
 
 def _stop_workers(pool: ThreadPoolExecutor, stop: threading.Event, writers: list[Future]) -> None:
@@ -252,17 +260,27 @@ def finish(layout: OutputLayout, finished: Finished, out_dir: Path, *, sync: boo
            done: Executed | None = None) -> tuple[FileDigest, ...]:
     """Write the writer's patches over the data files, then make the data files durable;
     returns every data file's digests when `done` hashed its boxes (else nothing)."""
-    for name, offset, data in finished.patches:
-        fd = os.open(out_dir / name, os.O_WRONLY)
-        try:
-            os.pwrite(fd, data, offset)
-        finally:
-            os.close(fd)
+    _write_patches(finished.patches, out_dir)
     if sync:
         fsync_files(out_dir / f.name for f in layout.files)
     if done is None or any(d is None for boxes in done.boxes.values() for _, d in boxes):
         return ()
     return tuple(file_digests(f, done.boxes.get(f.name, []), finished) for f in layout.files)
+
+
+def _write_patches(patches: tuple[tuple[str, int, bytes], ...], out_dir: Path) -> None:
+    """Each file opened once for all its patches (a torch.save file has one per tensor), which are
+    written in the writer's order."""
+    by_file: dict[str, list[tuple[int, bytes]]] = {}
+    for name, offset, data in patches:
+        by_file.setdefault(name, []).append((offset, data))
+    for name, writes in by_file.items():
+        fd = os.open(out_dir / name, os.O_WRONLY)
+        try:
+            for offset, data in writes:
+                pwrite_all(fd, memoryview(data), offset)
+        finally:
+            os.close(fd)
 
 
 def file_digests(f: FileLayout, boxes: list[tuple[Placement, str]], finished: Finished) -> FileDigest:
