@@ -3,22 +3,12 @@
 from __future__ import annotations
 
 import fnmatch
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+from hpckpt.core.sizes import parse_size
 
-
-def parse_size(text: str | int) -> int:
-    """`5GB` (decimal, as Hugging Face counts), `512MiB` (binary) or a plain number of bytes."""
-    if isinstance(text, int):
-        return text
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(text).upper())
-    if not match or match.group(2) not in _SIZE_UNITS:
-        raise ValueError(f"not a size: {text!r} (examples: 5GB, 512MiB, 1000000)")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+__all__ = ["Selection", "parse_size"]  # parse_size lives in core (hpckpt.dist parses sizes too)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,9 @@
-"""Byte counts as people read them: one formatter for messages, tables and progress lines."""
+"""Byte counts as people read and write them: one formatter for messages, tables and progress
+lines, and one parser for the sizes they give (`512MiB`, `5GB`)."""
 
 from __future__ import annotations
+
+import re
 
 
 def human_bytes(n: float) -> str:
@@ -12,3 +15,17 @@ def human_bytes(n: float) -> str:
         if n < 1024:
             return f"{n:.1f} {unit}"
     return f"{n / 1024:.1f} TiB"
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """`5GB` (decimal, as Hugging Face counts), `512MiB` (binary) or a plain number of bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(text).upper())
+    if not match or match.group(2) not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (examples: 5GB, 512MiB, 1000000)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])

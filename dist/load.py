@@ -1,11 +1,14 @@
 """`load`: fill a running job's tensors, in place, from a checkpoint of any format and layout.
 
 Each rank asks for the boxes it holds (`dist.shards`) and reads, with ranged reads, only their
-overlaps with the saved chunks (`core.io.read.read_box`). With `broadcast_shared`, the boxes several
-ranks want (HSDP replicas, replicated tensors) are found from one gather of every rank's wanted
-boxes; each is read from storage by one of its holders, chosen to balance bytes (largest first,
-the least-loaded holder), and sent to the others in batches. So the job reads every distinct box
-once: `LoadResult.read_amplification` is 1.0 for row-sharded targets.
+overlaps with the saved chunks (`core.io.read.read_box`). The boxes several ranks want (HSDP
+replicas, replicated tensors) are found from one gather of every rank's wanted boxes. Per set of
+ranks sharing boxes, either every holder reads them, or one holder reads each (chosen to balance
+bytes: largest first, the least-loaded holder) and broadcasts it to the others in batches, so the
+job reads it once (`LoadResult.read_amplification` 1.0 where every shared box is broadcast).
+`broadcast_shared=True/False` forces one way; `"auto"` weighs the storage's and the network's
+bandwidth (`dist.read_or_broadcast`, figures from `dist.bandwidths`), decided from rank 0's
+figures, which the first gather carries, so every rank decides alike.
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ from hpckpt.core.geometry.box import Box
 from hpckpt.core.io.read import OpenFiles, read_box
 from hpckpt.core.storage.object_path import is_object
 from hpckpt.core.storage.urls import as_path
-from hpckpt.dist import frameworks
+from hpckpt.dist import bandwidths, frameworks
 from hpckpt.dist.call_forms import checkpoint_path, refuse_torch_only
 from hpckpt.dist.flatten import flatten, set_path
 from hpckpt.dist.job import this_job
-from hpckpt.dist.results import LoadResult
+from hpckpt.dist.read_or_broadcast import BROADCAST, READ, choose, overall
+from hpckpt.dist.results import LoadResult, SharedGroup
 from hpckpt.dist.shards import shards_of
 from hpckpt.dist.stateful import resolve
 
@@ -79,8 +83,9 @@ def _as_bytes(t: Any, fw) -> np.ndarray:
 
 
 def load(state_dict: Any, checkpoint_id: str | Path | None = None, *, process_group: Any = None,
-         broadcast_shared: bool = True, strict: bool = True, progress: Any = None, no_dist: bool = False,
-         storage_reader: Any = None, planner: Any = None) -> LoadResult:
+         broadcast_shared: bool | str = "auto", storage_bandwidth: str | float | None = None,
+         network_bandwidth: str | float | None = None, strict: bool = True, progress: Any = None,
+         no_dist: bool = False, storage_reader: Any = None, planner: Any = None) -> LoadResult:
     """Fill the tensors of `state_dict` (DTensors, plain tensors, tensors with `chunk_info`, in
     nested dicts and lists) in place from `checkpoint_id`, and replace its non-tensor values.
 
@@ -95,11 +100,25 @@ def load(state_dict: Any, checkpoint_id: str | Path | None = None, *, process_gr
     own HpckptReader gives the path; torch's other readers and a `planner` are refused with a
     TypeError saying what to use instead.
 
+    A box several ranks want is read by one of them and broadcast to the others
+    (`broadcast_shared=True`), read by each (`False`), or, with `"auto"`, whichever costs less
+    for each set of ranks sharing boxes, from the storage's read rate and a broadcast's rate over
+    the group (`storage_bandwidth`, `network_bandwidth`: bytes per second, or sizes such as "2GiB";
+    else `HPCKPT_STORAGE_BANDWIDTH` / `HPCKPT_NETWORK_BANDWIDTH`; else measured: the file system's
+    read probe, remembered per file system, and a few timed broadcasts of 4 MiB, remembered in
+    this process). Rank 0's mode and figures decide for every rank. `LoadResult.broadcast` says
+    what was chosen, with the figures and where they came from.
+
     Raises:
         EntryMismatchError: an entry the state dict has is missing from the checkpoint (`strict`),
             or has another global shape.
+        ValueError: `broadcast_shared` is not True, False or "auto"; a bandwidth is not a rate.
     """
     refuse_torch_only("load", storage_reader=storage_reader, planner=planner)
+    if broadcast_shared is not True and broadcast_shared is not False and broadcast_shared != "auto":
+        raise ValueError(f"broadcast_shared must be True, False or 'auto', not {broadcast_shared!r}")
+    for given, variable in ((storage_bandwidth, bandwidths.STORAGE_VARIABLE), (network_bandwidth, bandwidths.NETWORK_VARIABLE)):
+        bandwidths.configured(given, variable)  # a bad figure fails on every rank, before any exchange
     checkpoint_id = checkpoint_path("load", checkpoint_id, storage_reader)
     started = time.perf_counter()
     resolved = resolve(state_dict, frameworks.is_any_tensor)
@@ -133,9 +152,15 @@ def load(state_dict: Any, checkpoint_id: str | Path | None = None, *, process_gr
                                      hint="load(..., strict=False) loads the rest and reports them in `missing`")
         wanted = set(flat)
         unused = tuple(n for n in (*index.tensors, *index.values) if n not in wanted)
-        everyone = job.collectives().all_gather("load-wanted", _wanted(targets)) if job.world_size > 1 \
-            else [_wanted(targets)]
-        readers, shared = _assign(everyone, targets, job) if broadcast_shared and job.world_size > 1 else ({}, [])
+        proposal = _proposal(broadcast_shared, storage_bandwidth, network_bandwidth, path, fw, job) \
+            if job.rank == 0 and job.world_size > 1 else None
+        gathered = job.collectives().all_gather("load-wanted", [_wanted(targets), proposal, bandwidths.machine()]) \
+            if job.world_size > 1 else [[_wanted(targets), None, ""]]
+        everyone = [g[0] for g in gathered]
+        holders, sizes = _holders(everyone)
+        route = _route(gathered[0][1], holders, sizes, job, path, index, [g[2] for g in gathered])
+        sent = {k for k, ranks in holders.items() if route.choice.get(tuple(ranks)) == BROADCAST}
+        readers, shared = _assign(holders, sizes, sent, targets, job.world_size)
         converted = []
         if progress is not None:
             progress.start(sum(t.nbytes for t in targets))
@@ -157,7 +182,9 @@ def load(state_dict: Any, checkpoint_id: str | Path | None = None, *, process_gr
                       tensors=len({t.fqn for t in targets}), values=len(values), bytes_read=bytes_read,
                       bytes_broadcast=received, job_bytes_read=job_read, job_bytes_wanted=job_wanted,
                       read_amplification=(job_read / job_wanted) if job_wanted else 1.0, missing=tuple(missing),
-                      unused=unused, converted=tuple(converted), seconds=time.perf_counter() - started)
+                      unused=unused, converted=tuple(converted), seconds=time.perf_counter() - started,
+                      broadcast=overall(g.choice for g in route.groups), broadcast_reason=route.reason,
+                      shared_groups=route.groups, **route.figures())
 
 
 #: Boxes filled at once from an object store: each is its own ranged GETs, and a store answers
@@ -198,12 +225,8 @@ def _wanted(targets: list[_Target]) -> list[list]:
     return [[t.fqn, list(t.box.offsets), list(t.box.sizes), t.nbytes] for t in targets]
 
 
-def _assign(everyone: list[list], targets: list[_Target], job) -> tuple[dict[int, int], list]:
-    """Who reads each box several ranks want (`everyone`: each rank's `_wanted`), and the
-    broadcasts that carry it to the others.
-
-    Returns this rank's reader per target position, and the shared boxes as
-    `(holders, reader, [(fqn, offsets, sizes)])` batches in one order every rank agrees on."""
+def _holders(everyone: list[list]) -> tuple[dict[tuple, list[int]], dict[tuple, int]]:
+    """The ranks wanting each box (`everyone`: each rank's `_wanted`), in rank order, and its bytes."""
     holders: dict[tuple, list[int]] = defaultdict(list)
     nbytes: dict[tuple, int] = {}
     for rank, boxes in enumerate(everyone):
@@ -211,11 +234,80 @@ def _assign(everyone: list[list], targets: list[_Target], job) -> tuple[dict[int
             key = (fqn, tuple(offsets), tuple(sizes))
             holders[key].append(rank)
             nbytes[key] = n
-    load = [0] * job.world_size
+    return holders, nbytes
+
+
+class _Route:
+    """How the boxes several ranks want are had: a choice per set of holders, and why."""
+
+    def __init__(self, reason: str, groups: tuple[SharedGroup, ...] = (), storage=None, network=None, memory=None):
+        self.reason, self.groups, self.storage, self.network, self.memory = reason, groups, storage, network, memory
+        self.choice = {g.ranks: g.choice for g in groups}
+
+    def figures(self) -> dict:
+        s, n = self.storage, self.network
+        return {"storage_bandwidth": s.bytes_per_s if s else None, "storage_bandwidth_from": s.source if s else "",
+                "network_bandwidth": n.bytes_per_s if n else None, "network_bandwidth_from": n.source if n else "",
+                "memory_bandwidth": self.memory}
+
+
+def _proposal(mode, storage_bandwidth, network_bandwidth, path: Path, fw, job) -> dict:
+    """Rank 0's part of the first gather: its mode, and in `"auto"` the figures it has without
+    measuring (None where one is still to be measured, once the gather shows a shared box)."""
+    if mode != "auto":
+        return {"mode": BROADCAST if mode else READ}
+    storage = bandwidths.storage_known(storage_bandwidth, path)
+    network = bandwidths.network_known(network_bandwidth, bandwidths.network_key(fw.NAME, job.comm))
+    return {"mode": "auto", "storage": storage and storage.to_json(), "network": network and network.to_json(),
+            "memory": bandwidths.memory_rate()}
+
+
+def _route(proposal: dict | None, holders: dict[tuple, list[int]], nbytes: dict[tuple, int], job, path: Path,
+           index, hosts: list[str]) -> _Route:
+    """Read or broadcast, per set of ranks sharing boxes, as rank 0's `proposal` says: forced, or
+    (`"auto"`) by `choose` from rank 0's figures; those it lacked are measured now (the network by
+    every rank, the storage by rank 0) and agreed on in one more gather."""
+    shared: dict[tuple[int, ...], list[int]] = defaultdict(lambda: [0, 0])
     for key, ranks in holders.items():
-        if len(ranks) == 1:
-            load[ranks[0]] += nbytes[key]
-    shared = sorted((k for k, r in holders.items() if len(r) > 1), key=lambda k: (-nbytes[k], k))
+        if len(ranks) > 1:
+            shared[tuple(ranks)][0] += 1
+            shared[tuple(ranks)][1] += nbytes[key]
+    if not shared or proposal is None:
+        return _Route("nothing shared")
+    if proposal["mode"] != "auto":
+        return _Route("forced", tuple(SharedGroup(r, n, b, proposal["mode"]) for r, (n, b) in sorted(shared.items())))
+    storage, network = (bandwidths.Figure.from_json(proposal[k]) for k in ("storage", "network"))
+    if storage is None or network is None:
+        seconds = bandwidths.probe_network(job.comm) if network is None else None
+        found = bandwidths.probe_storage(path, index).to_json() if storage is None and job.rank == 0 else None
+        answers = job.collectives().all_gather("load-route", [seconds, found])
+        if network is None:
+            key = bandwidths.network_key(job.framework.NAME, job.comm)
+            network = bandwidths.network_from_probes([s for s, _found in answers], key)
+        if storage is None:
+            storage = bandwidths.Figure.from_json(answers[0][1])
+    groups = []
+    for ranks, (boxes, size) in sorted(shared.items()):
+        machines = len({hosts[r] for r in ranks})
+        choice, read_s, broadcast_s = choose(len(ranks), size, storage.bytes_per_s, network.bytes_per_s,
+                                             machines, proposal["memory"])
+        groups.append(SharedGroup(ranks, boxes, size, choice, read_s, broadcast_s, machines))
+    return _Route("auto", tuple(groups), storage, network, proposal["memory"])
+
+
+def _assign(holders: dict[tuple, list[int]], nbytes: dict[tuple, int], sent: set, targets: list[_Target],
+            world_size: int) -> tuple[dict[int, int], list]:
+    """Who reads each box of `sent` (boxes several ranks want, to be broadcast), and the
+    broadcasts that carry it to the others; every other box is read by each rank wanting it.
+
+    Returns this rank's reader per target position, and the shared boxes as
+    `(holders, reader, [(fqn, offsets, sizes)])` batches in one order every rank agrees on."""
+    load = [0] * world_size
+    for key, ranks in holders.items():
+        if key not in sent:
+            for rank in ranks:
+                load[rank] += nbytes[key]
+    shared = sorted(sent, key=lambda k: (-nbytes[k], k))
     reader = dict(zip(shared, least_loaded(load, ((holders[k], nbytes[k]) for k in shared))))
     mine = {}
     for i, t in enumerate(targets):

@@ -35,6 +35,25 @@ class SaveResult:
     blocked: float = 0.0
 
 
+@dataclass(frozen=True)
+class SharedGroup:
+    """Boxes that every rank of `ranks` (ranks of the load's group) wants, and how they got them.
+
+    `boxes` and `nbytes` count each box once; `choice` is "broadcast" (one holder read them and
+    broadcast them to the others) or "read" (every holder read them from storage);
+    `read_seconds` / `broadcast_seconds` are the two estimates the automatic choice compared
+    (None when `broadcast_shared` forced it, or a figure was unknown); `machines` how many
+    machines (page caches) the ranks are on (0: not looked at)."""
+
+    ranks: tuple[int, ...]
+    boxes: int
+    nbytes: int
+    choice: str
+    read_seconds: float | None = None
+    broadcast_seconds: float | None = None
+    machines: int = 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoadResult:
     """One rank's view of a load, with the job's totals.
@@ -45,6 +64,16 @@ class LoadResult:
     read twice). `missing`: target entries the checkpoint lacks (only with strict=False);
     `unused`: checkpoint entries the target does not ask for; `converted`: tensors whose dtype
     was converted on the copy, as `(fqn, "from -> to")`.
+
+    Boxes several ranks want: `broadcast` says how they were had, "broadcast" (read once, sent
+    to the other holders: read amplification 1.0 for them), "read" (every holder read them; also
+    when no box is shared) or "mixed" (some groups one way, some the other); `broadcast_reason`
+    why: "auto" (the estimates compared), "forced" (`broadcast_shared=True/False`) or "nothing
+    shared"; `shared_groups` the choice per set of ranks (`SharedGroup`). The figures the
+    automatic choice used, in bytes per second (None: not needed, or unknown), and where each
+    came from ("argument", "environment", "cache", "probe", "unknown"; "" when not used):
+    `storage_bandwidth` / `storage_bandwidth_from`, `network_bandwidth` / `network_bandwidth_from`,
+    and `memory_bandwidth` (a copy in memory: what a second holder on one machine pays).
     """
 
     path: Path
@@ -62,6 +91,14 @@ class LoadResult:
     unused: tuple[str, ...] = ()
     converted: tuple[tuple[str, str], ...] = ()
     seconds: float = 0.0
+    broadcast: str = "read"
+    broadcast_reason: str = "nothing shared"
+    shared_groups: tuple[SharedGroup, ...] = ()
+    storage_bandwidth: float | None = None
+    storage_bandwidth_from: str = ""
+    network_bandwidth: float | None = None
+    network_bandwidth_from: str = ""
+    memory_bandwidth: float | None = None
 
 
 @dataclass

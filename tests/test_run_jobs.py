@@ -11,6 +11,7 @@ anew. Few and small jobs: msrun costs ~15-25 s each.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +24,9 @@ pytestmark = pytest.mark.dist
 HPCKPT = str(Path(sys.executable).with_name("hpckpt"))
 
 
-def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([HPCKPT, "run", *args], capture_output=True, text=True, timeout=timeout)
+def run(*args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([HPCKPT, "run", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **env} if env else None)
 
 
 def report(done: subprocess.CompletedProcess) -> dict:
@@ -64,8 +66,10 @@ def saved(tmp_path_factory) -> dict[str, Path]:
 def test_torch_saved_loads_into_two_torch_ranks_and_two_mindspore_ranks(saved):
     _checked(report(run("--nproc-per-node", "2", "load", str(saved["torch"]), "--check", "--json")), 2)
     # every MindSpore rank wants every box: each is read once and broadcast over MindSpore's collectives
+    # (the load's automatic choice, made to broadcast by the figures it is given)
     doc = report(run("--launcher", "msrun", "--nproc-per-node", "2", "load", str(saved["torch"]), "--mesh", "2",
-                     "--placements", "R", "--check", "--json"))
+                     "--placements", "R", "--check", "--json",
+                     env={"HPCKPT_STORAGE_BANDWIDTH": "1GiB", "HPCKPT_NETWORK_BANDWIDTH": "1TiB"}))
     _checked(doc, 2)
     assert all(r["bytes_broadcast"] > 0 and r["job_read_amplification"] == 1.0 for r in doc["ranks"])
 

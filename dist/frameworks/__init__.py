@@ -9,7 +9,7 @@ a framework means that framework is already imported.
 The interface (module-level names): `NAME`; `is_tensor(obj)`; `dtype_of(t, fqn)`;
 `shape_of(t)`; `native_shards(fqn, obj) -> Shards` (the layouts the framework's own tensors
 carry); `to_numpy(t, copy=)` (raw bits for bfloat16/float8); `direct_view(t, dtype)`;
-`fill(t, array, dtype, rows=None)`; `Comm` (`rank`, `world_size`, `all_gather_json`,
+`fill(t, array, dtype, rows=None)`; `Comm` (`rank`, `world_size`, `backend`, `all_gather_json`,
 `barrier`, `groups`, `broadcast`, `release`, `global_rank`); `comm_of(process_group)` (None
 when the framework's communication is not initialised).
 """

@@ -255,6 +255,7 @@ class Comm:
         # on CPU AllGather takes the world group only: a subgroup gathers by one broadcast per rank
         self._gather_by_broadcast = not self.is_world and ms.get_context("device_target") == "CPU"
         self._made = 0  # groups made so far: every rank names the n-th the same
+        self.backend = str(ms.get_context("device_target"))  # CPU, Ascend (HCCL), GPU
 
     def global_rank(self, group_rank: int) -> int:
         if self.is_world:

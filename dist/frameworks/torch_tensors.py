@@ -170,7 +170,7 @@ class Comm:
     def __init__(self, group: Any = None):
         self.group = group if group is not None else tdist.group.WORLD
         self.rank, self.world_size = tdist.get_rank(self.group), tdist.get_world_size(self.group)
-        backend = tdist.get_backend(self.group)
+        self.backend = backend = str(tdist.get_backend(self.group))
         # nccl moves only accelerator tensors (the untested path here: no GPU on this machine)
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         # gloo's workers release a work right after finishing it, and gloo has no shutdown: its

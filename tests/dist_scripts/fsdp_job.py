@@ -21,7 +21,18 @@ OUTDIR/reference.pt and the step-3 loss to OUTDIR/save.json. In the same job:
 loads OUTDIR/ckpt into the sharded state dict with `hpckpt.dist.load`, applies it with
 `set_state_dict`, and compares the full state dict bit for bit with the reference and the step-3
 loss exactly with the saved one; it also checks the job's read accounting (every box read from
-storage once: read amplification 1.0; with 2x2 some rank received bytes from a peer).
+storage once: read amplification 1.0; with 2x2 some rank received bytes from a peer). That load
+runs with `broadcast_shared="auto"` and configured bandwidths that make broadcasting pay (the
+network 1,024x the storage, and faster than any copy in memory), so every shared box is
+broadcast. With 2x2 the same job then loads fresh zeroed copies of the state three more ways and
+compares them bit for bit with the first:
+  (d) figures from HPCKPT_STORAGE_BANDWIDTH / HPCKPT_NETWORK_BANDWIDTH (storage 2 GiB/s, network
+      1 GiB/s) for which a model blind to machines would broadcast the boxes all 4 ranks want
+      (3 x network > storage), but the ranks are on one machine, whose page cache they share:
+      every group reads ("read", each group on 1 machine), the read accounting exact;
+  (e) measured figures (a timed broadcast over the group, the storage's read probe): every rank
+      agrees on them and on the choice; a second such load takes the network figure from the cache;
+  (f) `broadcast_shared=False`: forced, nothing broadcast, no figure measured.
 
 Every failed check is written to stderr as `rank R: FAIL ...`; the job then exits 1.
 Each rank also writes a one-line JSON summary to stdout (`rank R: SUMMARY {...}`).
@@ -30,6 +41,7 @@ Each rank also writes a one-line JSON summary to stdout (`rank R: SUMMARY {...}`
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -320,6 +332,47 @@ def nbytes(tree) -> int:
     return sum(t.numel() * t.element_size() for _, t in leaves(tree) if isinstance(t, torch.Tensor))
 
 
+def check_auto_loads(out: Path, state: dict, loaded: dict) -> None:
+    """HSDP 2x2: loads (d), (e) and (f) of the module's docstring into fresh zeroed copies of
+    `state`, each compared with `loaded` (the first load's values)."""
+    def load_fresh(what: str, **kwargs):
+        fresh = map_tree(state, lambda v: torch.zeros_like(v) if isinstance(v, torch.Tensor) else "<not loaded>")
+        r = hdist.load(fresh, out / "ckpt", **kwargs)
+        compare_trees(map_tree(fresh, lambda v: local(v) if isinstance(v, torch.Tensor) else v), loaded, what)
+        everyone = gather(r)
+        route = lambda x: (x.broadcast, x.broadcast_reason, x.shared_groups, x.storage_bandwidth,  # noqa: E731
+                           x.storage_bandwidth_from, x.network_bandwidth, x.network_bandwidth_from)
+        check(all(route(x) == route(r) for x in everyone), f"{what}: ranks decided apart: {[route(x) for x in everyone]}")
+        extra = sum(g.nbytes * (len(g.ranks) - 1) for g in r.shared_groups if g.choice == "read")
+        received = sum(g.nbytes * (len(g.ranks) - 1) for g in r.shared_groups if g.choice == "broadcast")
+        check(r.job_bytes_read == r.job_bytes_wanted + extra and sum(x.bytes_read for x in everyone) == r.job_bytes_read,
+              f"{what}: job_bytes_read {r.job_bytes_read}, wanted {r.job_bytes_wanted} + {extra} read again by replicas")
+        check(sum(x.bytes_broadcast for x in everyone) == received,
+              f"{what}: bytes_broadcast {[x.bytes_broadcast for x in everyone]}, want {received} in all")
+        return r
+
+    os.environ["HPCKPT_STORAGE_BANDWIDTH"], os.environ["HPCKPT_NETWORK_BANDWIDTH"] = "2GiB", "1GiB/s"
+    try:
+        r = load_fresh("load (d), mixed")
+    finally:
+        del os.environ["HPCKPT_STORAGE_BANDWIDTH"], os.environ["HPCKPT_NETWORK_BANDWIDTH"]
+    check((r.broadcast, r.storage_bandwidth_from, r.network_bandwidth_from) == ("read", "environment", "environment")
+          and {g.ranks: (g.choice, g.machines) for g in r.shared_groups}
+          == {(0, 2): ("read", 1), (1, 3): ("read", 1), (0, 1, 2, 3): ("read", 1)}
+          and r.memory_bandwidth > 0 and r.read_amplification > 1.0, f"load (d): {r}")
+    r = load_fresh("load (e), measured")
+    # (this checkpoint's few KiB are too little for the storage probe to tell: "unknown", which broadcasts)
+    check(r.broadcast_reason == "auto" and r.network_bandwidth_from == "probe" and r.network_bandwidth > 0
+          and (r.storage_bandwidth_from in ("probe", "cache") and r.storage_bandwidth > 0
+               or (r.storage_bandwidth_from, r.storage_bandwidth, r.broadcast) == ("unknown", None, "broadcast"))
+          and r.broadcast in ("read", "broadcast", "mixed"), f"load (e): {r}")
+    r = load_fresh("load (e), measured again")
+    check(r.network_bandwidth_from == "cache", f"load (e) again: the network figure from {r.network_bandwidth_from}")
+    r = load_fresh("load (f), forced", broadcast_shared=False, network_bandwidth="64GiB")
+    check((r.broadcast, r.broadcast_reason, r.storage_bandwidth, r.network_bandwidth_from) == ("read", "forced", None, "")
+          and all(g.choice == "read" and g.read_seconds is None for g in r.shared_groups), f"load (f): {r}")
+
+
 def run_load(out: Path, mesh_spec: str) -> None:
     world = dist.get_world_size()
     if mesh_spec == "2x2":
@@ -338,8 +391,15 @@ def run_load(out: Path, mesh_spec: str) -> None:
              "extra": {"seen": torch.zeros(2, 3, dtype=torch.int64)}}
     placements = {name(p): describe(t) for p, t in leaves(state) if isinstance(t, torch.Tensor)}
 
-    res = hdist.load(state, out / "ckpt")
+    # broadcasting pays here: the network 1,024x the storage, and faster than a copy in memory
+    res = hdist.load(state, out / "ckpt", storage_bandwidth="1GiB", network_bandwidth=2**40)
     check(res.rank == rank() and res.world_size == world, f"load: rank/world {res.rank}/{res.world_size}")
+    check((res.broadcast, res.broadcast_reason) == ("broadcast", "auto") and res.shared_groups
+          and all(g.choice == "broadcast" and g.broadcast_seconds < g.read_seconds for g in res.shared_groups),
+          f"load with the network 64x the storage: {res.broadcast} ({res.broadcast_reason}), {res.shared_groups}")
+    check((res.storage_bandwidth, res.storage_bandwidth_from, res.network_bandwidth, res.network_bandwidth_from)
+          == (2**30, "argument", 2**40, "argument"), f"load: the figures used {res}")
+    loaded = map_tree(state, lambda v: local(v).clone() if isinstance(v, torch.Tensor) else v)
     check(not res.missing and not res.unused, f"load: missing {res.missing}, unused {res.unused}")
     check(not res.converted, f"load converted dtypes: {res.converted}")
     check(res.tensors == len(placements), f"load: tensors {res.tensors}, the state dict has {len(placements)}")
@@ -365,6 +425,9 @@ def run_load(out: Path, mesh_spec: str) -> None:
     if mesh_spec == "2x2":
         check(any(r.bytes_broadcast > 0 for r in everyone),
               f"HSDP 2x2: no rank received a replicated box from a peer: {[r.bytes_broadcast for r in everyone]}")
+        check(sorted(g.ranks for g in res.shared_groups) == [(0, 1, 2, 3), (0, 2), (1, 3)],
+              f"HSDP 2x2: the sets of ranks sharing boxes {[g.ranks for g in res.shared_groups]}")
+        check_auto_loads(out, state, loaded)
 
     if rank() == 0:
         ref = torch.load(out / "reference.pt", weights_only=True)
