@@ -44,27 +44,18 @@ def measure(src: str | Path, dst: str | Path, index: CheckpointIndex, *, sync: b
     src, dst = as_path(src), as_path(dst)
     if is_object(src) or is_object(dst):
         return None
-    source_dir = Path(os.path.abspath(src if src.is_dir() else src.parent))
+    source_dir = bandwidth.directory_of(src)
     kind = "write" if sync else "write-nosync"
     target_dir = _existing(Path(os.path.abspath(dst)).parent)
     if not probe:
         read, write = bandwidth.cached(source_dir, "read"), bandwidth.cached(target_dir, kind)
         return Bandwidth(read.bytes_per_s, write.bytes_per_s, "cache", "cache", write.per_file_s) \
             if read and write else None
-    largest = sorted(index.data_files, key=lambda f: -(_size(index.data_path(f))))[:8]
-    read, read_from = bandwidth.measured(source_dir, "read",
-                                         lambda: bandwidth.probe_read(index.data_path(f) for f in largest))
+    read, read_from = bandwidth.measured(source_dir, "read", lambda: bandwidth.probe_source(index))
     write, write_from = bandwidth.measured(target_dir, kind, lambda: bandwidth.probe_write(target_dir, sync))
     if not read or not write:
         return None
     return Bandwidth(read.bytes_per_s, write.bytes_per_s, read_from, write_from, write.per_file_s)
-
-
-def _size(path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
 
 
 def predict(plan: dict, speed: Bandwidth) -> dict:

@@ -14,7 +14,7 @@ fresh child process so that its peak RSS is its own:
   own plan  `global_plan.plan([0])`, the Plan of the boxes one rank writes;
   hit       the plan cache's hit path: every rank's `digest()` (each rank does its own; the
             figure is one rank's) and `plan_key` over all the digests (what every rank does);
-  metadata  the HyperParallel `.metadata` the coordinator writes (`dumps_metadata`), its size
+  metadata  the HyperParallel `.metadata` the coordinator writes (HyperParallel's writer), its size
             (skipped with --no-metadata).
 
 Peak RSS is read from the kernel after each phase (VmHWM, reset between phases through
@@ -37,6 +37,8 @@ import sys
 import time
 
 import numpy as np
+
+from hpckpt.dist.jobs.bench_measure import memory, reset_peak_rss
 
 HIDDEN, KV, MLP = 8192, 1024, 28672
 
@@ -77,19 +79,7 @@ def rank_boxes(shape: tuple[int, ...], layout: str, world: int) -> tuple[np.ndar
 
 
 def peak_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def reset_peak() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    return memory()["VmHWM"] / 2**20
 
 
 def one_case(world: int, n_tensors: int, layout: str, metadata: bool) -> dict:
@@ -119,20 +109,18 @@ def one_case(world: int, n_tensors: int, layout: str, metadata: bool) -> dict:
     out["gathered_mib"] = sum(sent) / 2**20
     del table
 
-    reset_peak()
+    reset_peak_rss()
     t0 = time.perf_counter()
     plans = [LocalPlan.from_json(json.loads(w)) for w in wires]
     out["gather_s"] = time.perf_counter() - t0
     out["gather_peak_mib"] = peak_mib()
     del wires
 
-    reset_peak()
-    base = peak_mib()
+    reset_peak_rss()
     t0 = time.perf_counter()
     gp = build_global_plan(plans, dedup="balanced")
     out["global_s"] = time.perf_counter() - t0
     out["global_peak_mib"] = peak_mib()
-    out["global_added_mib"] = peak_mib() - base
     out["stored_boxes"] = int(len(gp.tid))
     out["gathered_boxes"] = int(sum(len(p.boxes) for p in plans))
 
@@ -150,30 +138,18 @@ def one_case(world: int, n_tensors: int, layout: str, metadata: bool) -> dict:
     out["key_s"] = time.perf_counter() - t0
     del plans
 
-    if metadata:
-        from hpckpt.core.codecs.hyperparallel_metadata import dumps_metadata
+    if metadata:  # as the coordinator's HyperParallel writer makes it
+        from hpckpt.converters.base import WriterOptions
+        from hpckpt.converters.hyperparallel.writer import HyperParallelWriter
 
-        reset_peak()
+        reset_peak_rss()
         t0 = time.perf_counter()
-        out["metadata_mib"] = len(dumps_metadata(_metadata(gp.plan()))) / 2**20
+        writer = HyperParallelWriter(WriterOptions(framework="torch"))
+        writer.layout(gp.plan(), {})
+        out["metadata_mib"] = sum(len(data) for _, data in writer.finish({}).metadata) / 2**20
         out["metadata_s"] = time.perf_counter() - t0
         out["metadata_peak_mib"] = peak_mib()
     return out
-
-
-def _metadata(plan):
-    """The `.metadata` HyperParallel's writer would write for `plan` (tensor entries and
-    storage_data; offsets in the files are left 0: the size is what is measured)."""
-    from hpckpt.core.codecs import hyperparallel_metadata as hm
-
-    state, storage = {}, {}
-    for t in plan.tensors:
-        chunks = [hm.ChunkStorageMetadata(b.box.offsets, b.box.sizes) for b in t.boxes]
-        state[t.fqn] = hm.TensorStorageMetadata(hm.TensorProperties("torch.bfloat16"), t.shape, chunks)
-        for b in t.boxes:
-            storage[hm.MetadataIndex(t.fqn, b.box.offsets, b.index)] = hm.StorageInfo(
-                f"_rank{b.rank}_.safetensors", 0, t.box_nbytes(b), t.fqn)
-    return hm.Metadata(state, None, storage)
 
 
 def main() -> None:

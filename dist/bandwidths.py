@@ -78,10 +78,6 @@ def configured(argument: str | int | float | None, variable: str) -> Figure | No
     return Figure(parse_bandwidth(text, variable), "environment") if text else None
 
 
-def _directory(path: Path) -> Path:
-    return Path(os.path.abspath(path if path.is_dir() else path.parent))
-
-
 def storage_known(argument: Any, path: Path) -> Figure | None:
     """The storage figure without measuring: configured, else remembered for the file system;
     "unknown" for an object store (nothing to probe); None: to be probed (`probe_storage`)."""
@@ -90,24 +86,15 @@ def storage_known(argument: Any, path: Path) -> Figure | None:
         return given
     if is_object(path):
         return Figure(None, "unknown")
-    found = bandwidth.cached(_directory(path), "read")
+    found = bandwidth.cached(bandwidth.directory_of(path), "read")
     return Figure(found.bytes_per_s, "cache") if found is not None else None
 
 
 def probe_storage(path: Path, index) -> Figure:
     """The read rate of the checkpoint's file system, by `core.io.bandwidth`'s probe of its largest
     data files (then remembered per file system, for every later load and `reshard --plan`)."""
-    largest = sorted(index.data_files, key=lambda f: -_size(index.data_path(f)))[:8]
-    speed, source = bandwidth.measured(_directory(path), "read",
-                                       lambda: bandwidth.probe_read(index.data_path(f) for f in largest))
+    speed, source = bandwidth.measured(bandwidth.directory_of(path), "read", lambda: bandwidth.probe_source(index))
     return Figure(speed.bytes_per_s, source) if speed is not None else Figure(None, "unknown")
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
 
 
 def network_key(framework: str, comm: Any) -> tuple:

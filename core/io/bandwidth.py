@@ -168,6 +168,25 @@ def probe_write(directory: Path, sync: bool = True, nbytes: int = PROBE_BYTES) -
     return Speed(1 / slope, max(0.0, best[small] - small * slope) / writers)
 
 
+def probe_source(index) -> Speed | None:
+    """The read speed of a checkpoint (a `CheckpointIndex`): `probe_read` of its largest data
+    files, as a copy from it reads them."""
+    largest = sorted(index.data_files, key=lambda f: -_size(index.data_path(f)))[:8]
+    return probe_read(index.data_path(f) for f in largest)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def directory_of(path: Path) -> Path:
+    """The directory whose file system `path` (a checkpoint directory or file) is on, absolute."""
+    return Path(os.path.abspath(path if path.is_dir() else path.parent))
+
+
 def measured(directory: Path, kind: str, probe) -> tuple[Speed | None, str]:
     """`(speed, "cache" | "probe")` of `kind` on `directory`'s file system: the cached figure,
     else `probe()` (then remembered)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Hand the allocator's free pages back to the kernel (glibc `malloc_trim`): otherwise a phase
     reuses memory an earlier phase freed and its peak RSS understates what it allocated."""
     try:
@@ -29,7 +29,7 @@ def _trim_heap() -> None:
         pass
 
 
-def _reset_peak_rss() -> None:
+def reset_peak_rss() -> None:
     """Reset VmHWM to the current RSS (Linux >= 4.0), so VmHWM after a phase is that phase's peak."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -38,7 +38,7 @@ def _reset_peak_rss() -> None:
         pass
 
 
-def _memory() -> dict[str, int]:
+def memory() -> dict[str, int]:
     """VmHWM (peak) and VmRSS (now) of this process, bytes."""
     out = {}
     with open("/proc/self/status") as f:
@@ -59,14 +59,14 @@ def _rchar() -> int:
 
 def timed(ctx, call: Callable[[], Any]) -> tuple[Any, dict]:
     """Barrier, then `call()` measured on this rank: seconds, peak RSS, extra RSS, rchar."""
-    _trim_heap()
+    trim_heap()
     ctx.comm.barrier()
-    _reset_peak_rss()
-    before, read_before = _memory(), _rchar()
+    reset_peak_rss()
+    before, read_before = memory(), _rchar()
     started = time.perf_counter()
     value = call()
     seconds = time.perf_counter() - started
-    after = _memory()
+    after = memory()
     return value, {"seconds": seconds, "peak_rss": after["VmHWM"],
                    "peak_rss_extra": max(after["VmHWM"] - before["VmRSS"], 0), "rchar": _rchar() - read_before}
 
