@@ -2,9 +2,20 @@
 
     python bench/bench_plan_scale.py --ranks 1024,4096,16384 --tensors 1000 --layouts fsdp,hsdp,tp
 
-No real ranks: each rank's `LocalPlan` is made from arrays (what a rank of that layout holds),
-then everything `hpckpt.dist.save` does with the plans is timed, each (ranks, layout) case in a
-fresh child process so that its peak RSS is its own:
+No real ranks: what `hpckpt.dist.save` does with the plans is timed, each (ranks, layout) case
+in a fresh child process so that its peak RSS is its own. Ranks whose tensors are DTensor-like
+(these layouts) agree on a layout table and send its digest (`plan_from="layouts"`):
+
+  table     one rank's part: its `LayoutTable` (every tensor's name, dtype, shape, layout), the
+            table's digest, and the JSON it sends in the plan exchange (its bytes; every rank
+            receives that times the ranks);
+  layouts   the global plan from the table (`core.geometry.layout_plan`), what every rank does;
+  own plan  `global_plan.plan([0])`, the Plan of the boxes rank 0 writes;
+  metadata  the HyperParallel `.metadata` the coordinator writes (HyperParallel's writer), its size
+            (skipped with --no-metadata).
+
+With --boxes, also the path of ranks that send their boxes (`plan_from="boxes"`: a tensor
+without a layout, HyperParallel's chunk_info), what every save did before issue 29:
 
   rank      one rank's part: `LocalPlan` from its boxes, `to_json`, `json.dumps` (the bytes it
             sends in the plan exchange; the table gives rank 0's and the largest of all ranks);
@@ -14,8 +25,6 @@ fresh child process so that its peak RSS is its own:
   own plan  `global_plan.plan([0])`, the Plan of the boxes one rank writes;
   hit       the plan cache's hit path: every rank's `digest()` (each rank does its own; the
             figure is one rank's) and `plan_key` over all the digests (what every rank does);
-  metadata  the HyperParallel `.metadata` the coordinator writes (HyperParallel's writer), its size
-            (skipped with --no-metadata).
 
 Peak RSS is read from the kernel after each phase (VmHWM, reset between phases through
 `/proc/self/clear_refs`), so each phase's figure is its own peak. The job's state: `--tensors`
@@ -82,7 +91,54 @@ def peak_mib() -> float:
     return memory()["VmHWM"] / 2**20
 
 
-def one_case(world: int, n_tensors: int, layout: str, metadata: bool) -> dict:
+def layout_of(shape: tuple[int, ...], layout: str, world: int, meshes: dict):
+    """The `TensorLayout` that `rank_boxes` cuts by (one Mesh per layout, as a job's DeviceMesh)."""
+    from hpckpt.core.geometry.layout import Mesh, Replicate, Shard, TensorLayout
+
+    if layout not in meshes:
+        meshes[layout] = Mesh((world,) if layout == "fsdp" else (8, world // 8) if layout == "hsdp" else (world // 8, 8))
+    mesh = meshes[layout]
+    if layout == "fsdp":
+        return TensorLayout(mesh, (Shard(0, "ceil"),))
+    if layout == "hsdp":
+        return TensorLayout(mesh, (Replicate(), Shard(0, "ceil")))
+    return TensorLayout(mesh, (Shard(0, "ceil"), Shard(1, "ceil") if len(shape) > 1 else Replicate()))
+
+
+def layouts_case(world: int, n_tensors: int, layout: str, out: dict) -> object:
+    """The path of ranks with layouts: the table, its digest, the exchange, the plan from layouts."""
+    from hpckpt.core.geometry.layout_plan import LayoutTable
+
+    tensors = tensors_of(n_tensors)
+    t0 = time.perf_counter()
+    meshes: dict = {}
+    table = LayoutTable([(n, d, s, layout_of(s, layout, world, meshes)) for n, d, s in tensors])
+    digest = table.digest()
+    # what a rank sends in the plan exchange (dist/save_plan.py `mine`): digests, no boxes
+    sent = json.dumps({"error": None, "nonce": "0" * 16, "digest": "0" * 40, "cached": ["0" * 40], "plan": None,
+                       "table": digest, "values": [], "value_paths": {}}).encode()
+    out["table_s"] = time.perf_counter() - t0
+    out["table_sent_b"] = len(sent)
+    out["table_received_mib"] = len(sent) * world / 2**20
+    out["table_json_kib"] = len(table.to_json()) / 1024
+
+    reset_peak_rss()
+    t0 = time.perf_counter()
+    gp = table.plan(world, dedup="balanced", values=(), value_lengths={}, nesting={}, key="")
+    out["layouts_s"] = time.perf_counter() - t0
+    out["layouts_peak_mib"] = peak_mib()
+    out["stored_boxes"] = int(len(gp.tid))
+    out["gathered_boxes"] = int(sum(len(table.rows[0][3].mesh.ranks) for _ in tensors))
+
+    t0 = time.perf_counter()
+    mine = gp.plan([0])
+    out["own_plan_s"] = time.perf_counter() - t0
+    out["own_boxes"] = sum(len(t.boxes) for t in mine.tensors)
+    return gp
+
+
+def boxes_case(world: int, n_tensors: int, layout: str, out: dict) -> None:
+    """The path of ranks that send their boxes: every rank's LocalPlan gathered, the global plan."""
     from hpckpt.core.geometry.global_plan import LocalPlan, build_global_plan, plan_key
 
     tensors = tensors_of(n_tensors)
@@ -94,7 +150,6 @@ def one_case(world: int, n_tensors: int, layout: str, metadata: bool) -> dict:
         table[:, t, 0] = t
         table[:, t, 2:2 + len(shape)] = offsets
         table[:, t, 4:4 + len(shape)] = sizes
-    out = {"ranks": world, "tensors": n_tensors, "layout": layout, "state_mib": round(peak_mib())}
 
     t0 = time.perf_counter()
     wires = []
@@ -104,7 +159,6 @@ def one_case(world: int, n_tensors: int, layout: str, metadata: bool) -> dict:
         sent.append(len(wire))
         wires.append(wire)
     out["rank_s"] = (time.perf_counter() - t0) / world
-    out["rank0_sent_kib"] = sent[0] / 1024
     out["max_sent_kib"] = max(sent) / 1024
     out["gathered_mib"] = sum(sent) / 2**20
     del table
@@ -121,13 +175,7 @@ def one_case(world: int, n_tensors: int, layout: str, metadata: bool) -> dict:
     gp = build_global_plan(plans, dedup="balanced")
     out["global_s"] = time.perf_counter() - t0
     out["global_peak_mib"] = peak_mib()
-    out["stored_boxes"] = int(len(gp.tid))
-    out["gathered_boxes"] = int(sum(len(p.boxes) for p in plans))
-
-    t0 = time.perf_counter()
-    mine = gp.plan([0])
-    out["own_plan_s"] = time.perf_counter() - t0
-    out["own_boxes"] = sum(len(t.boxes) for t in mine.tensors)
+    out["boxes_stored"] = int(len(gp.tid))
 
     t0 = time.perf_counter()
     digest = plans[0].digest()
@@ -136,8 +184,11 @@ def one_case(world: int, n_tensors: int, layout: str, metadata: bool) -> dict:
     t0 = time.perf_counter()
     plan_key(digests, {"dedup": "balanced", "world_size": world})
     out["key_s"] = time.perf_counter() - t0
-    del plans
 
+
+def one_case(world: int, n_tensors: int, layout: str, metadata: bool, boxes: bool) -> dict:
+    out = {"ranks": world, "tensors": n_tensors, "layout": layout, "state_mib": round(peak_mib())}
+    gp = layouts_case(world, n_tensors, layout, out)
     if metadata:  # as the coordinator's HyperParallel writer makes it
         from hpckpt.converters.base import WriterOptions
         from hpckpt.converters.hyperparallel.writer import HyperParallelWriter
@@ -149,6 +200,10 @@ def one_case(world: int, n_tensors: int, layout: str, metadata: bool) -> dict:
         out["metadata_mib"] = sum(len(data) for _, data in writer.finish({}).metadata) / 2**20
         out["metadata_s"] = time.perf_counter() - t0
         out["metadata_peak_mib"] = peak_mib()
+    del gp
+    if boxes:
+        boxes_case(world, n_tensors, layout, out)
+        assert out["boxes_stored"] == out["stored_boxes"], "the two paths store different boxes"
     return out
 
 
@@ -158,32 +213,36 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=1000)
     parser.add_argument("--layouts", default="fsdp,hsdp,tp")
     parser.add_argument("--no-metadata", action="store_true")
+    parser.add_argument("--boxes", action="store_true", help="also the path of ranks that send their boxes")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
         world, layout = args.case.split(":")
-        print(json.dumps(one_case(int(world), args.tensors, layout, not args.no_metadata)))
+        print(json.dumps(one_case(int(world), args.tensors, layout, not args.no_metadata, args.boxes)))
         return
     print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
-    print("| ranks | layout | boxes gathered / stored | rank: s, KiB sent (rank 0 / largest) | gather: s, peak MiB "
-          "| global plan: s, peak MiB | own plan s (boxes) | hit: digest s, key s | .metadata MiB, s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| ranks | layout | boxes held / stored | table: s, a rank sends B, receives MiB | plan from layouts: s, peak MiB "
+          "| own plan s (boxes) | .metadata MiB, s, peak MiB | boxes path: a rank sends KiB, receives MiB; parse s, MiB; "
+          "global plan s, MiB |")
+    print("|---|---|---|---|---|---|---|---|")
     for world in map(int, args.ranks.split(",")):
         for layout in args.layouts.split(","):
             cmd = [sys.executable, __file__, "--case", f"{world}:{layout}", "--tensors", str(args.tensors)]
-            if args.no_metadata:
-                cmd.append("--no-metadata")
+            cmd += ["--no-metadata"] if args.no_metadata else []
+            cmd += ["--boxes"] if args.boxes else []
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 print(f"| {world} | {layout} | failed: {done.stderr.strip().splitlines()[-1:]} |", flush=True)
                 continue
             r = json.loads(done.stdout)
-            meta = f"{r['metadata_mib']:.0f}, {r['metadata_s']:.1f}" if "metadata_mib" in r else "-"
-            print(f"| {world:,} | {layout} | {r['gathered_boxes']:,} / {r['stored_boxes']:,} | {r['rank_s'] * 1e3:.1f} ms, "
-                  f"{r['rank0_sent_kib']:.0f} / {r['max_sent_kib']:.0f} (all: {r['gathered_mib']:.0f} MiB) | "
-                  f"{r['gather_s']:.2f}, {r['gather_peak_mib']:.0f} | {r['global_s']:.2f}, {r['global_peak_mib']:.0f} | "
-                  f"{r['own_plan_s']:.3f} ({r['own_boxes']:,}) | {r['digest_s'] * 1e3:.1f} ms, {r['key_s'] * 1e3:.1f} ms | "
-                  f"{meta} |", flush=True)
+            meta = f"{r['metadata_mib']:.0f}, {r['metadata_s']:.1f}, {r['metadata_peak_mib']:.0f}" \
+                if "metadata_mib" in r else "-"
+            boxes = (f"{r['max_sent_kib']:.0f}, {r['gathered_mib']:.0f}; {r['gather_s']:.2f}, {r['gather_peak_mib']:.0f}; "
+                     f"{r['global_s']:.2f}, {r['global_peak_mib']:.0f}") if "global_s" in r else "-"
+            print(f"| {world:,} | {layout} | {r['gathered_boxes']:,} / {r['stored_boxes']:,} | "
+                  f"{r['table_s']:.3f}, {r['table_sent_b']}, {r['table_received_mib']:.1f} | "
+                  f"{r['layouts_s']:.2f}, {r['layouts_peak_mib']:.0f} | {r['own_plan_s']:.3f} ({r['own_boxes']:,}) | "
+                  f"{meta} | {boxes} |", flush=True)
     print(f"load average {os.getloadavg()[0]:.2f}")
 
 

@@ -14,7 +14,9 @@ class SaveResult:
 
     `committed` is True on the coordinator once the checkpoint is in place; on the other ranks
     it says every rank's data was durable when they last heard (the coordinator then renames).
-    `plan_cache` is "hit", "miss" or "off". Byte counts are this rank's; `job_bytes_written`
+    `plan_cache` is "hit", "miss" or "off"; `plan_from` how the plan was made: "layouts" (every
+    rank's tensors had the same layouts: the ranks sent a digest, not their boxes), "boxes",
+    "cache" (a hit), "" (rank-local, no global plan). Byte counts are this rank's; `job_bytes_written`
     all ranks'. Times in seconds: `planning` (gather + global plan), `writing` (this rank's
     files, fsynced), `blocked` (what the caller waited: all of it for `save`, the staging copy
     for `async_save`).
@@ -33,6 +35,7 @@ class SaveResult:
     planning: float = 0.0
     writing: float = 0.0
     blocked: float = 0.0
+    plan_from: str = ""
 
 
 @dataclass(frozen=True)

@@ -127,8 +127,9 @@ def _persist_together(planned: PlannedSave) -> SaveResult:
     total = sum(a["bytes"] for a in answers)
     return SaveResult(path=request.path, rank=rank, world_size=request.job.world_size,
                       coordinator=request.coordinator, coordination=request.coordination,
-                      plan_cache=planned.cache_state, files=files, bytes_written=mine["bytes"],
-                      job_bytes_written=total, committed=True, planning=planned.planning, writing=writing,
+                      plan_cache=planned.cache_state, plan_from=planned.plan_from, files=files,
+                      bytes_written=mine["bytes"], job_bytes_written=total, committed=True,
+                      planning=planned.planning, writing=writing,
                       blocked=time.perf_counter() - request.started)
 
 

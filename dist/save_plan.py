@@ -17,8 +17,18 @@ from typing import Any
 
 from hpckpt.core.commit.staging import Staging, shared_staging, staging_for
 from hpckpt.core.dtypes import dtype as parse_dtype
-from hpckpt.core.errors import HpckptError, SaveError, UnsafePickleError, UnsupportedDTypeError
-from hpckpt.core.geometry.global_plan import DEDUP_MODES, GlobalPlan, LocalPlan, LocalValue, build_global_plan, plan_key
+from hpckpt.core.errors import GeometryError, HpckptError, SaveError, UnsafePickleError, UnsupportedDTypeError
+from hpckpt.core.geometry.global_plan import (
+    DEDUP_MODES,
+    GlobalPlan,
+    LocalPlan,
+    LocalValue,
+    build_global_plan,
+    plan_key,
+    values_of,
+)
+from hpckpt.core.geometry.layout import Mesh, Replicate, TensorLayout
+from hpckpt.core.geometry.layout_plan import LayoutTable
 from hpckpt.core.geometry.plan import Plan, PlannedValue, plan_as_given
 from hpckpt.core.io.memory_source import MemoryTensor
 from hpckpt.core.storage.object_path import is_object
@@ -81,13 +91,15 @@ class _Local:
     payloads: dict[str, bytes]
     rows: list  # (fqn, dtype name, shape, boxes) per tensor
     paths: dict[str, tuple]
+    layouts: list  # per tensor: its Shards' layout (global ranks), "replicated" (held whole), or None
+    table: LayoutTable | None = None  # every tensor's layout, checked against its boxes (`layout_table`)
 
 
 def _describe(flat: dict, paths: dict, fw, rank: int, global_rank: int, *, stage: bool, fmt: OutputFormat) -> _Local:
     """Find each tensor's boxes, make each value's payload in the output format (proving, for
     HyperParallel, that hpckpt's safe unpickler reads it back). `stage`: copy every shard
     (async_save)."""
-    rows, tensors, payloads, values = [], {}, {}, []
+    rows, tensors, payloads, values, layouts = [], {}, {}, [], []
     for fqn, obj in flat.items():
         if frameworks.is_any_tensor(obj):
             shards = shards_of(fqn, obj, fw, global_rank)
@@ -95,6 +107,7 @@ def _describe(flat: dict, paths: dict, fw, rank: int, global_rank: int, *, stage
                 raise UnsupportedDTypeError(f"{fqn}: {shards.dtype.name} cannot be saved: {shards.dtype.refusal}")
             pieces = [(box, fw.to_numpy(t, copy=stage)) for box, t in shards.pieces]
             rows.append((fqn, shards.dtype.name, shards.shape, [b for b, _ in pieces]))
+            layouts.append("replicated" if shards.replicated else shards.layout)
             if pieces:
                 tensors[fqn] = MemoryTensor(shards.dtype, shards.shape, pieces)
         else:
@@ -113,7 +126,32 @@ def _describe(flat: dict, paths: dict, fw, rank: int, global_rank: int, *, stage
             values.append(LocalValue(fqn, len(payload), hashlib.sha256(payload).hexdigest()))
     if stage and hasattr(fw, "after_staging"):  # non-blocking copies to pinned memory are done
         fw.after_staging()
-    return _Local(LocalPlan.build(rank, rows, values, paths), tensors, payloads, rows, paths)
+    return _Local(LocalPlan.build(rank, rows, values, paths), tensors, payloads, rows, paths, layouts)
+
+
+def layout_table(local: _Local, rank: int, world_size: int, ranks_are_global: bool) -> LayoutTable | None:
+    """Every tensor of this rank as a layout over the job's ranks, each checked to give exactly
+    this rank's boxes; None when one has no such layout (HyperParallel `chunk_info`, a ragged
+    or strided shard, a mesh given in global ranks of a job that is a subgroup). A plain tensor
+    is replicated on every rank. The ranks then send their boxes instead."""
+    if not local.rows:
+        return None
+    everyone = None
+    rows = []
+    for (fqn, dt, shape, boxes), layout in zip(local.rows, local.layouts):
+        if layout == "replicated":
+            everyone = everyone or TensorLayout(Mesh((world_size,)), (Replicate(),))
+            layout = everyone
+        elif layout is None or not ranks_are_global or max(layout.mesh.ranks) >= world_size:
+            return None
+        try:
+            if layout.boxes(shape, rank) != list(boxes):
+                return None
+        except GeometryError:
+            return None
+        rows.append((fqn, dt, tuple(shape), layout))
+    names = {row[0] for row in rows}
+    return LayoutTable(rows, {fqn: path for fqn, path in local.plan.nesting.items() if fqn in names})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,6 +230,8 @@ def describe(state_dict, checkpoint_id, *, process_group, coordinator, coordinat
     if local_error is None:
         try:
             local = _describe(flat, paths, framework, job.rank, job.global_rank(job.rank), stage=asynchronous, fmt=fmt)
+            local.table = layout_table(local, job.rank, job.world_size,
+                                       ranks_are_global=job.comm is None or bool(getattr(job.comm, "is_world", False)))
         except Exception as exc:  # reported to every rank in the first exchange
             local_error = exc
     return SaveRequest(path=path if remote else path.absolute(), job=job, framework=framework, format=fmt,
@@ -216,6 +256,7 @@ class PlannedSave:
     lengths: dict[str, int] = field(default_factory=dict)
     staging: Staging | None = None
     cache_state: str = "off"
+    plan_from: str = ""  # "layouts", "boxes" (what the ranks sent), "cache"; "" rank-local
     planning: float = 0.0
     resources: ExitStack = field(default_factory=ExitStack, repr=False)
 
@@ -288,8 +329,17 @@ def _plan_together(request: SaveRequest, resources: ExitStack, save_id: str) -> 
     # this rank's part is unchanged from a cached plan: no need to send it (the others may need
     # it all the same, then it is sent in a second round)
     expect_hit = bool(held) and _plans.holds_part(rank, world, digest)
+    # a rank whose tensors all have layouts sends only the digest of its table (plus its values):
+    # when every rank's digest is the same, every rank already holds the table, and the plan
+    # follows from it (`core.geometry.layout_plan`) without a box crossing the network
+    table = None if error else request.local.table
     mine = {"error": error_text(error) if error else None, "nonce": nonce, "digest": digest, "cached": held,
-            "plan": None if (expect_hit or error) else request.local.plan.to_json()}
+            "plan": None if (expect_hit or error or table is not None) else request.local.plan.to_json()}
+    if table is not None:
+        plan = request.local.plan
+        mine["table"] = table.digest()
+        mine["values"] = [[v.fqn, v.nbytes, v.digest] for v in plan.values]
+        mine["value_paths"] = {v.fqn: list(plan.nesting[v.fqn]) for v in plan.values if v.fqn in plan.nesting}
     answers = exchange.all_gather("plan", mine, "send a plan")
     if error is not None:
         raise error  # this rank's own error as it is; the others raise a SaveError naming this rank
@@ -301,18 +351,33 @@ def _plan_together(request: SaveRequest, resources: ExitStack, save_id: str) -> 
     # so every rank decides alike (one rank's cache may have lost it)
     cached = _plans.get(key) if request.use_cache and all(key in a["cached"] for a in answers) else None
     if cached is not None:
-        global_plan, cache_state = cached, "hit"
+        global_plan, cache_state, plan_from = cached, "hit", "cache"
     else:
-        if any(a["plan"] is None for a in answers):
-            answers = exchange.all_gather("plan-full", {"plan": request.local.plan.to_json()}, "send a plan")
-        plans = [LocalPlan.from_json(a["plan"]) for a in answers]
-        global_plan = build_global_plan(plans, dedup=request.dedup, key=key)
+        if table is not None and all(a.get("table") == mine["table"] for a in answers):
+            global_plan, plan_from = _from_layouts(table, answers, request, key), "layouts"
+        else:
+            if any(a["plan"] is None for a in answers):
+                answers = exchange.all_gather("plan-full", {"plan": request.local.plan.to_json()}, "send a plan")
+            plans = [LocalPlan.from_json(a["plan"]) for a in answers]
+            global_plan, plan_from = build_global_plan(plans, dedup=request.dedup, key=key), "boxes"
         cache_state = "miss" if request.use_cache else "off"
         if request.use_cache:
             _plans.put(key, global_plan, digests)
     return PlannedSave(request=request, save_id=save_id, nonce=nonce, token=token, global_plan=global_plan,
-                       staging=staging, cache_state=cache_state, planning=time.perf_counter() - t0,
-                       resources=resources)
+                       staging=staging, cache_state=cache_state, plan_from=plan_from,
+                       planning=time.perf_counter() - t0, resources=resources)
+
+
+def _from_layouts(table: LayoutTable, answers: list[dict], request: SaveRequest, key: str) -> GlobalPlan:
+    """The global plan from the table every rank holds alike and each rank's values."""
+    values, lengths = values_of((r, [LocalValue(str(f), int(n), str(d)) for f, n, d in a["values"]])
+                                for r, a in enumerate(answers))
+    nesting: dict[str, tuple] = {}
+    for a in answers:
+        for fqn, path in a["value_paths"].items():
+            nesting.setdefault(fqn, tuple(path))
+    return table.plan(request.job.world_size, dedup=request.dedup, values=values, value_lengths=lengths,
+                      nesting=nesting, key=key)
 
 
 def _plan_rank_local(request: SaveRequest) -> PlannedSave:

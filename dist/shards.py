@@ -16,6 +16,7 @@ from typing import Any
 from hpckpt.core.dtypes import DType
 from hpckpt.core.errors import GeometryError
 from hpckpt.core.geometry.box import Box
+from hpckpt.core.geometry.layout import TensorLayout
 from hpckpt.dist.layouts import Sharded
 
 
@@ -23,12 +24,15 @@ from hpckpt.dist.layouts import Sharded
 class Shards:
     """A tensor as one rank holds it: dtype, global shape and `(box, local tensor)` pairs (one,
     except for HyperParallel ragged shards). `replicated` is True for a plain tensor every rank
-    holds whole."""
+    holds whole. `layout`: the layout the boxes come from, when the tensor knows one (a DTensor's
+    mesh and placements, a `Sharded`'s; mesh ranks are global ranks), which lets a save's ranks
+    agree on a plan without sending their boxes (`core.geometry.layout_plan`)."""
 
     dtype: DType
     shape: tuple[int, ...]
     pieces: list[tuple[Box, Any]]
     replicated: bool = False
+    layout: TensorLayout | None = None
 
 
 def chunk_info_shards(fqn: str, local: Any, local_shape: tuple[int, ...], info: Any, dtype: DType) -> Shards:
@@ -61,5 +65,6 @@ def shards_of(fqn: str, value: Any, framework: ModuleType, rank: int) -> Shards:
     if isinstance(value, Sharded):
         local = value.local
         box = value.box(fqn, rank, framework.shape_of(local))
-        return Shards(framework.dtype_of(local, fqn), value.shape, [] if box is None else [(box, local)])
+        return Shards(framework.dtype_of(local, fqn), value.shape, [] if box is None else [(box, local)],
+                      layout=value.layout)
     return framework.native_shards(fqn, value)

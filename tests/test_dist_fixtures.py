@@ -497,6 +497,8 @@ def test_live_save_matches_offline_reshard(tmp_path):
         assert not rep["failures"], rep["failures"]
         for kind in ("collectives", "storage", "async"):
             assert rep["saves"][kind]["world_size"] == 2 and rep["saves"][kind]["rank"] == r, rep["saves"][kind]
+            assert rep["saves"][kind]["plan_from"] in ("layouts", "cache"), rep["saves"][kind]  # DTensors: no boxes sent
+        assert rep["saves"]["collectives"]["plan_from"] == "layouts"  # (the first save: planned from the table)
     for kind in ("collectives", "storage", "async"):
         entries = _listing(tmp_path / kind)
         assert all(CKPT_FILE.fullmatch(e) for e in entries), f"{kind}: leftovers {entries}"

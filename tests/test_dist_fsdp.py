@@ -70,6 +70,8 @@ def test_save_job(saved):
     job.assert_ok("save job")
     info = json.loads((out / "save.json").read_text())
     assert info["plan_cache"] == ["miss", "hit", "miss", "miss", "hit", "hit"], info["plan_cache"]
+    # DTensors, plain tensors and values: the ranks agreed on one layout table and sent no boxes
+    assert info["plan_from"] == ["layouts", "cache", "layouts", "layouts", "cache", "cache"], info["plan_from"]
     assert info["loss3"] == info["plain_loss3"], info
     assert {".metadata", "_rank0_.safetensors", "_rank3_.safetensors"} <= set(info["files"]), info["files"]
     # nothing left beside the committed checkpoints (no staging directory, no plan file)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -261,6 +262,22 @@ def test_the_plan_predicts_its_time_from_measured_or_given_bandwidth(tmp_path, m
     assert sorted({float(b["data-predicted-s"]) for b in bars}) == sorted({r["seconds"] for r in p["ranks"]})
     assert "--bandwidth" in hpckpt("reshard", src, "-o", out, "--world-size", "4", "--plan", "--bandwidth", "fast",
                                    code=2)
+
+
+def test_a_read_probe_of_a_small_source_still_times_it(tmp_path):
+    """A source that reads whole in far less than a timer can tell (here 64 KiB) is read again until
+    the probe has run `MIN_PROBE_SECONDS`: a small checkpoint on a fast machine still gets a
+    prediction (CI once read 2 MiB too fast and the plan had none). Nothing at all: no figure."""
+    from hpckpt.core.io import bandwidth
+
+    small = tmp_path / "small.bin"
+    small.write_bytes(np.random.default_rng(0).bytes(64 * 1024))
+    started = time.perf_counter()
+    speed = bandwidth.probe_read([small])
+    assert speed is not None and speed.bytes_per_s > 0
+    assert time.perf_counter() - started >= bandwidth.MIN_PROBE_SECONDS
+    (tmp_path / "empty.bin").write_bytes(b"")
+    assert bandwidth.probe_read([tmp_path / "empty.bin", tmp_path / "missing.bin"]) is None
 
 
 def test_a_convert_dry_run_page_draws_the_renamed_target(tmp_path):

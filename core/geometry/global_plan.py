@@ -19,7 +19,7 @@ import base64
 import math
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -257,14 +257,10 @@ def _stored_boxes(rows, width, ndims, shapes, names, dtypes, dedup, world_size):
     # metadata key (fqn + offsets); the non-empty one, else the first.
     same_start = np.zeros(len(starts), bool)
     same_start[1:] = (g_tid[1:] == g_tid[:-1]) & np.all(g_off[1:] == g_off[:-1], axis=1)
-    if same_start.any():
-        run = np.cumsum(~same_start)
-        pick = np.lexsort((np.arange(len(starts)), volume == 0, run))
-        first = np.ones(len(pick), bool)
-        first[1:] = run[pick][1:] != run[pick][:-1]
-        keep = np.sort(pick[first])
+    keep = one_per_start(same_start, volume)
+    if keep is not None:
         starts, counts, g_tid, g_off, g_size, volume = (a[keep] for a in (starts, counts, g_tid, g_off, g_size, volume))
-    _check_cover(g_tid, g_off, g_size, volume, ndims, shapes, names)
+    check_cover(g_tid, g_off, g_size, volume, ndims, shapes, names)
     itemsize = np.array([d.itemsize for d in dtypes], np.int64)
     nbytes = volume * itemsize[g_tid] if len(g_tid) else np.zeros(0, np.int64)
     if dedup == "none":
@@ -286,7 +282,20 @@ def _stored_boxes(rows, width, ndims, shapes, names, dtypes, dedup, world_size):
     return g_tid, owner, g_off, g_size
 
 
-def _check_cover(g_tid, g_off, g_size, volume, ndims, shapes, names) -> None:
+def one_per_start(same_start: np.ndarray, volume: np.ndarray) -> np.ndarray | None:
+    """Of distinct boxes in (tensor, offsets, sizes) order, which to keep where several start at
+    one place (`same_start[i]`: box i starts where box i - 1 does; only empty boxes can): the
+    non-empty one, else the first. None: keep all."""
+    if not same_start.any():
+        return None
+    run = np.cumsum(~same_start)
+    pick = np.lexsort((np.arange(len(same_start)), volume == 0, run))
+    first = np.ones(len(pick), bool)
+    first[1:] = run[pick][1:] != run[pick][:-1]
+    return np.sort(pick[first])
+
+
+def check_cover(g_tid, g_off, g_size, volume, ndims, shapes, names) -> None:
     """Each tensor's distinct boxes must hold as many elements as it has, and no two neighbours
     (in offset order) may overlap: what a gap, a duplicated shard or a wrong offset breaks."""
     n_tensors = len(shapes)
@@ -327,13 +336,18 @@ def _positions(tid: np.ndarray, owner: np.ndarray, off: np.ndarray) -> np.ndarra
 
 
 def _values(plans: Sequence[LocalPlan]) -> tuple[tuple[PlannedValue, ...], dict[str, int]]:
-    """Each value stored once, by its lowest-ranked holder (where the offline writer puts them),
-    after checking every holder has the same pickle: a value that differs between ranks (an RNG
-    state) would otherwise lose all copies but one."""
+    return values_of((local.rank, local.values) for local in plans)
+
+
+def values_of(held_by: Iterable[tuple[int, Sequence[LocalValue]]]) -> tuple[tuple[PlannedValue, ...], dict[str, int]]:
+    """From `(rank, its values)` in rank order: each value stored once, by its lowest-ranked
+    holder (where the offline writer puts them), after checking every holder has the same
+    pickle: a value that differs between ranks (an RNG state) would otherwise lose all copies
+    but one."""
     holders: dict[str, list[tuple[int, LocalValue]]] = {}
-    for local in plans:
-        for v in local.values:
-            holders.setdefault(v.fqn, []).append((local.rank, v))
+    for rank, held in held_by:
+        for v in held:
+            holders.setdefault(v.fqn, []).append((rank, v))
     values, lengths = [], {}
     for fqn, held in holders.items():
         first_rank, first = held[0]

@@ -46,8 +46,9 @@ def _split(length: np.ndarray, parts: int, index: np.ndarray, rule: str) -> tupl
     return start, np.minimum(start + chunk, length) - start
 
 
-def _grid(layout: TensorLayout, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(ranks, offsets, sizes) of every mesh position of a Shard/Replicate layout: one box each."""
+def grid(layout: TensorLayout, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ranks, offsets, sizes) of every mesh position of a Shard/Replicate layout, in mesh order:
+    one box each (what `TensorLayout.boxes` gives rank by rank)."""
     mesh = layout.mesh
     position = np.arange(mesh.size, dtype=np.int64)
     coords, stride = [], mesh.size
@@ -96,7 +97,7 @@ def rank_boxes(layout: TensorLayout, shape: tuple[int, ...]) -> RankBoxes:
     if any(isinstance(p, RaggedShard) for p in layout.placements):
         ranks, offsets, sizes, slots = _listed(layout, shape)
     else:
-        ranks, offsets, sizes = _grid(layout, shape)
+        ranks, offsets, sizes = grid(layout, shape)
         slots = np.zeros(len(ranks), np.int64)
     ndim = len(shape)
     if len(ranks) == 0:

@@ -26,7 +26,8 @@ PROBE_BYTES = 128 * 1024 * 1024
 REPEATS = 2
 BLOCK = 8 * 1024 * 1024
 WRITERS = 4
-MIN_READ = 1024 * 1024  # a source smaller than this reads in no time worth predicting
+MIN_READ = 1024 * 1024  # fewer bytes than this read say nothing of a speed
+MIN_PROBE_SECONDS = 0.02  # a read probe shorter than this is timer noise
 CACHE_SECONDS = 24 * 3600
 _MIN_SECONDS = 1e-4  # below this a measurement says nothing
 
@@ -79,23 +80,31 @@ def _remember(directory: Path, kind: str, speed: Speed) -> None:
 
 
 def probe_read(files: Iterable[Path], limit: int = PROBE_BYTES) -> Speed | None:
-    """Bytes per second reading `files` from their start, `limit` bytes at most; None when they
-    hold too little to tell."""
+    """Bytes per second reading `files` from their start, `limit` bytes at most. A source that
+    reads whole in less than `MIN_PROBE_SECONDS` is read again (from the page cache, as its copy
+    will read it) until that long has passed, so that a small checkpoint on a fast machine is
+    still timed; None when the files hold too little to tell or cannot be read."""
+    files = list(files)
     buffer = bytearray(BLOCK)
     view, done, started = memoryview(buffer), 0, time.perf_counter()
-    for path in files:
-        if done >= limit:
+    while True:
+        pass_bytes = 0
+        for path in files:
+            if done >= limit:
+                break
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    while done < limit:
+                        n = f.readinto(view[:min(BLOCK, limit - done)])
+                        if not n:
+                            break
+                        done += n
+                        pass_bytes += n
+            except OSError:
+                continue
+        seconds = time.perf_counter() - started
+        if done >= limit or not pass_bytes or seconds >= MIN_PROBE_SECONDS:
             break
-        try:
-            with open(path, "rb", buffering=0) as f:
-                while done < limit:
-                    n = f.readinto(view[:min(BLOCK, limit - done)])
-                    if not n:
-                        break
-                    done += n
-        except OSError:
-            continue
-    seconds = time.perf_counter() - started
     return Speed(done / seconds) if done >= MIN_READ and seconds > _MIN_SECONDS else None
 
 

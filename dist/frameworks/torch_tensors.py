@@ -28,6 +28,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from hpckpt.core.dtypes import DType, dtype as parse_dtype
 from hpckpt.core.errors import GeometryError
 from hpckpt.core.geometry.box import Box, full_box
+from hpckpt.core.geometry.layout import Mesh, Replicate as LayoutReplicate, Shard as LayoutShard, TensorLayout
 from hpckpt.dist.shards import Shards, chunk_info_shards
 
 NAME = "torch"
@@ -82,7 +83,25 @@ def _dtensor(fqn: str, value: DTensor) -> Shards:
         raise GeometryError(f"{fqn}: the local shard is {list(local.shape)}, its placements give {list(sizes)}")
     if any(s == 0 for s in sizes):
         offsets = tuple(min(o, n) for o, n in zip(offsets, shape))
-    return Shards(dtype_of(local, fqn), shape, [(Box(offsets, sizes), local)])
+    return Shards(dtype_of(local, fqn), shape, [(Box(offsets, sizes), local)], layout=_layout(value))
+
+
+_meshes: dict[int, tuple[Any, Mesh]] = {}  # id(DeviceMesh) -> (the mesh, kept alive; its hpckpt Mesh)
+
+
+def _layout(value: DTensor) -> TensorLayout:
+    """The DTensor's mesh and placements as an hpckpt layout (torch splits like torch.chunk: the
+    "ceil" rule); the Mesh made once per DeviceMesh (a mesh of thousands of ranks is not free)."""
+    device_mesh = value.device_mesh
+    known = _meshes.get(id(device_mesh))
+    if known is None or known[0] is not device_mesh:
+        if len(_meshes) > 64:
+            _meshes.clear()
+        known = _meshes[id(device_mesh)] = (device_mesh, Mesh(tuple(device_mesh.shape),
+                                                              tuple(device_mesh.mesh.flatten().tolist())))
+    placements = tuple(LayoutShard(p.dim, "ceil") if isinstance(p, Shard) else LayoutReplicate()
+                       for p in value.placements)
+    return TensorLayout(known[1], placements)
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -170,6 +189,7 @@ class Comm:
     def __init__(self, group: Any = None):
         self.group = group if group is not None else tdist.group.WORLD
         self.rank, self.world_size = tdist.get_rank(self.group), tdist.get_world_size(self.group)
+        self.is_world = self.world_size == tdist.get_world_size()  # (group ranks are global ranks)
         self.backend = backend = str(tdist.get_backend(self.group))
         # nccl moves only accelerator tensors (the untested path here: no GPU on this machine)
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

@@ -318,6 +318,7 @@ def run_save(out: Path) -> dict:
     check(n == len(shapes), f"compared {n} tensors of {len(shapes)}")
 
     info.update(plan_cache=[r.plan_cache for r in (res, res_again, res_new, res_reshaped, res_reshaped2, res_async)],
+                plan_from=[r.plan_from for r in (res, res_again, res_new, res_reshaped, res_reshaped2, res_async)],
                 checkpoints=["ckpt", "ckpt_again", "ckpt_new_tensor", "ckpt_reshaped", "ckpt_reshaped_again", "ckpt_async"],
                 async_blocked=res_async.blocked, job_bytes_written=res.job_bytes_written)
     summary(mode="save", rank=rank(), tensors=len(shapes), shapes=shapes if rank() == 0 else None,
