@@ -11,8 +11,10 @@ in a fresh child process so that its peak RSS is its own. Ranks whose tensors ar
             receives that times the ranks);
   layouts   the global plan from the table (`core.geometry.layout_plan`), what every rank does;
   own plan  `global_plan.plan([0])`, the Plan of the boxes rank 0 writes;
-  metadata  the HyperParallel `.metadata` the coordinator writes (HyperParallel's writer), its size
-            (skipped with --no-metadata).
+  commit    the coordinator's commit (skipped with --no-metadata), as `dist/save_commit.py`
+            does it: the Plan of every box (`global_plan.plan()`), the HyperParallel writer's
+            `.metadata` (its size; from columns from 50,000 chunks), and the metadata read back
+            as a loader reads it (the commit's check); one peak for the three.
 
 With --boxes, also the path of ranks that send their boxes (`plan_from="boxes"`: a tensor
 without a layout, HyperParallel's chunk_info), what every save did before issue 29:
@@ -189,16 +191,33 @@ def boxes_case(world: int, n_tensors: int, layout: str, out: dict) -> None:
 def one_case(world: int, n_tensors: int, layout: str, metadata: bool, boxes: bool) -> dict:
     out = {"ranks": world, "tensors": n_tensors, "layout": layout, "state_mib": round(peak_mib())}
     gp = layouts_case(world, n_tensors, layout, out)
-    if metadata:  # as the coordinator's HyperParallel writer makes it
+    if metadata:  # the coordinator's commit, step by step as dist/save_commit.py `_commit` does it
+        import tempfile
+        from dataclasses import replace
+        from pathlib import Path
+
         from hpckpt.converters.base import WriterOptions
+        from hpckpt.converters.hyperparallel.reader import HyperParallelReader
         from hpckpt.converters.hyperparallel.writer import HyperParallelWriter
+        from hpckpt.core.io.write import lay_out
 
         reset_peak_rss()
         t0 = time.perf_counter()
+        full = gp.plan()
+        out["commit_plan_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         writer = HyperParallelWriter(WriterOptions(framework="torch"))
-        writer.layout(gp.plan(), {})
-        out["metadata_mib"] = sum(len(data) for _, data in writer.finish({}).metadata) / 2**20
+        lay_out(replace(full, producing=()), {}, writer)
+        data = writer.finish({}).metadata[0][1]
+        out["metadata_mib"] = len(data) / 2**20
         out["metadata_s"] = time.perf_counter() - t0
+        del full
+        with tempfile.TemporaryDirectory() as scratch:
+            (Path(scratch) / ".metadata").write_bytes(data)
+            del data
+            t0 = time.perf_counter()
+            HyperParallelReader().read_index(Path(scratch))
+            out["read_back_s"] = time.perf_counter() - t0
         out["metadata_peak_mib"] = peak_mib()
     del gp
     if boxes:
@@ -222,7 +241,7 @@ def main() -> None:
         return
     print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
     print("| ranks | layout | boxes held / stored | table: s, a rank sends B, receives MiB | plan from layouts: s, peak MiB "
-          "| own plan s (boxes) | .metadata MiB, s, peak MiB | boxes path: a rank sends KiB, receives MiB; parse s, MiB; "
+          "| own plan s (boxes) | commit: Plan s, .metadata s (MiB), read back s; peak MiB | boxes path: a rank sends KiB, receives MiB; parse s, MiB; "
           "global plan s, MiB |")
     print("|---|---|---|---|---|---|---|---|")
     for world in map(int, args.ranks.split(",")):
@@ -235,8 +254,8 @@ def main() -> None:
                 print(f"| {world} | {layout} | failed: {done.stderr.strip().splitlines()[-1:]} |", flush=True)
                 continue
             r = json.loads(done.stdout)
-            meta = f"{r['metadata_mib']:.0f}, {r['metadata_s']:.1f}, {r['metadata_peak_mib']:.0f}" \
-                if "metadata_mib" in r else "-"
+            meta = (f"{r['commit_plan_s']:.1f}, {r['metadata_s']:.1f} ({r['metadata_mib']:.0f} MiB), "
+                    f"{r['read_back_s']:.1f}; {r['metadata_peak_mib']:.0f}") if "metadata_mib" in r else "-"
             boxes = (f"{r['max_sent_kib']:.0f}, {r['gathered_mib']:.0f}; {r['gather_s']:.2f}, {r['gather_peak_mib']:.0f}; "
                      f"{r['global_s']:.2f}, {r['global_peak_mib']:.0f}") if "global_s" in r else "-"
             print(f"| {world:,} | {layout} | {r['gathered_boxes']:,} / {r['stored_boxes']:,} | "

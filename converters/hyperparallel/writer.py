@@ -42,7 +42,7 @@ from hpckpt.core.geometry.plan import Plan, PlannedTensor
 from hpckpt.core.io.output import Extent, FileLayout, Finished, OutputLayout, Placement
 
 METADATA_NAME = ".metadata"
-COLUMNS_FROM = 200_000  # chunks: from here `.metadata` is written from columns (`finish`)
+COLUMNS_FROM = 50_000  # chunks: from here `.metadata` is written from columns (`finish`)
 
 
 def tensor_file(rank: int) -> str:
