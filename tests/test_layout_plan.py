@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from hpckpt.core.dtypes import dtype
+from hpckpt.core.geometry.box import Box
 from hpckpt.core.errors import GeometryError
 from hpckpt.core.geometry.global_plan import LocalPlan, build_global_plan
 from hpckpt.core.geometry.layout import Mesh, RaggedShard, Replicate, Shard, TensorLayout, parse_placements
@@ -95,3 +96,36 @@ def test_what_it_refuses():
         build_layout_plan([("w", dtype("float32"), (8,), beyond)], 4)
     with pytest.raises(GeometryError):
         build_layout_plan([("w", dtype("float32"), (8,), TensorLayout(Mesh((2,)), (Shard(1),)))], 2)
+
+
+def test_each_rank_describes_the_same_table_or_none():
+    """`dist.save_plan.layout_table`: ranks whose tensors all have layouts that give exactly their
+    boxes describe one table (one digest on every rank: the save then sends no boxes); a box the
+    layout does not give, a mesh beyond the job, or a mesh in global ranks of a subgroup job:
+    no table (the ranks send boxes)."""
+    from types import SimpleNamespace
+
+    from hpckpt.core.geometry.global_plan import LocalPlan
+    from hpckpt.dist.save_plan import layout_table
+
+    mesh = Mesh((2, 2))
+    grid = TensorLayout(mesh, parse_placements("S0,S1"))
+    shapes = {"w": (5, 4), "b": (3,)}
+
+    def local(rank, layouts, boxes=None):
+        rows = [("w", "float32", shapes["w"], boxes if boxes is not None else grid.boxes(shapes["w"], rank)),
+                ("b", "float32", shapes["b"], [Box((0,), (3,))])]
+        return SimpleNamespace(rows=rows, layouts=layouts, tensors={"w": None, "b": None},
+                               plan=LocalPlan.build(rank, rows, (), {"w": ("model", "w")}))
+
+    tables = [layout_table(local(r, [grid, "replicated"]), r, 4, ranks_are_global=True) for r in range(4)]
+    assert all(t is not None for t in tables) and len({t.digest() for t in tables}) == 1
+    assert tables[0].nesting == {"w": ("model", "w")}
+    again = type(tables[0]).from_json(tables[0].to_json())
+    assert again.digest() == tables[0].digest() and again.rows[1][3].mesh.shape == (4,)  # b: replicated on 4
+    assert layout_table(local(1, [grid, "replicated"], boxes=[Box((0, 0), (3, 2))]), 1, 4,
+                        ranks_are_global=True) is None  # rank 1's box is not the layout's
+    assert layout_table(local(0, [grid, "replicated"]), 0, 4, ranks_are_global=False) is None
+    assert layout_table(local(0, [grid, None]), 0, 4, ranks_are_global=True) is None  # chunk_info: no layout
+    beyond = TensorLayout(Mesh((2, 2), (0, 1, 2, 9)), parse_placements("S0,S1"))
+    assert layout_table(local(0, [beyond, "replicated"]), 0, 4, ranks_are_global=True) is None
