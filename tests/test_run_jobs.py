@@ -50,11 +50,13 @@ def saved(tmp_path_factory) -> dict[str, Path]:
     doc = report(run("--nproc-per-node", "4", "save", "-o", str(out["torch"]), "--size", "4MiB", "--mesh", "2x2",
                      "--placements", "R,S0", "--json"))
     assert doc["world_size"] == 4 and all(r["plan_cache"] in ("miss", "off") for r in doc["ranks"])
+    assert all(r["plan_from"] == "layouts" for r in doc["ranks"]), doc["ranks"]  # sharded(): no boxes sent
     assert doc["command"] == "run" and doc["ok"] is True and doc["written"] == [str(out["torch"])]  # the envelope
     assert doc["totals"]["job_gib_per_s"] > 0  # binary units, as every document's
     doc = report(run("--launcher", "msrun", "--nproc-per-node", "4", "save", "-o", str(out["mindspore"]), "--size", "4MiB",
                      "--mesh", "2x2", "--placements", "S1,S0", "--async", "--json"))
     assert doc["world_size"] == 4 and all(r["blocked_seconds"] < r["seconds"] for r in doc["ranks"])
+    assert all(r["plan_from"] == "layouts" for r in doc["ranks"]), doc["ranks"]  # (MindSpore, through files)
     for path in out.values():
         verified = subprocess.run([HPCKPT, "verify", "--strict", "--deep", str(path)], capture_output=True, text=True)
         assert verified.returncode == 0, verified.stdout + verified.stderr

@@ -82,6 +82,6 @@ def run(spec: dict, ctx) -> dict:
             "job_bytes_written": result.job_bytes_written, "files": list(result.files), "seconds": round(seconds, 4),
             "blocked_seconds": round(blocked, 4), "planning_seconds": round(result.planning, 4),
             "writing_seconds": round(result.writing, 4), "plan_cache": result.plan_cache,
-            "coordination": result.coordination, "job_seconds": round(job_seconds, 4),
+            "plan_from": result.plan_from, "coordination": result.coordination, "job_seconds": round(job_seconds, 4),
             "job_gib_per_s": round(result.job_bytes_written / job_seconds / 2**30, 3) if job_seconds else None,
             "peak_rss": peak_rss(), **made}
