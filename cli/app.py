@@ -6,11 +6,9 @@ the function body, so `hpckpt --help` and shell completion stay fast.
 
 from __future__ import annotations
 
-import atexit
 import gc
 import os
 import sys
-import threading
 from typing import Optional
 
 from hpckpt.cli import _signals
@@ -159,20 +157,17 @@ def run() -> int:
 
 
 def main() -> None:
-    """The `hpckpt` console script: run, then leave as a normal exit does, less freeing memory.
-
-    The steps of an exit that can wait or fail run as they would (threads are joined, exit
-    handlers run: nothing is cut short or hidden); only the freeing of every object and the
-    unloading of modules are skipped, which would add as much as a tenth of a whole reshard to
-    every command (docs/design-figures.md). Every output file is closed, synced and renamed by
-    the time a command returns.
-    """
+    """The `hpckpt` console script: run, then exit as any interpreter exits (threads joined, exit
+    handlers run, objects freed). Every output file is closed, synced and renamed by the time a
+    command returns. A reader that went away (`| head`) gets nothing more, and no complaint about
+    it at exit: the stream is pointed at /dev/null, as Python's documentation advises."""
     code = run()
-    threading._shutdown()  # what an exit does first: wait for non-daemon threads (a pool's workers)
-    atexit._run_exitfuncs()  # then the exit handlers
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
-            pass  # the reader went away (`| head`), or the stream was closed for that reason
-    os._exit(code)
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+            except (OSError, ValueError):
+                pass  # (a closed stream has no descriptor left to point anywhere)
+    sys.exit(code)

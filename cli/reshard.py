@@ -104,12 +104,12 @@ def _bandwidth_option(text: Optional[str]):
     """`--bandwidth READ,WRITE` as an `api.predict.Bandwidth` (None when not given)."""
     if text is None:
         return None
-    from hpckpt.api import parse_size
     from hpckpt.api.predict import Bandwidth
+    from hpckpt.core.sizes import parse_rate
 
-    parts = [p.strip().removesuffix("/s") for p in text.split(",")]
+    parts = text.split(",")
     try:
-        read, write = (parse_size(p) for p in parts) if len(parts) == 2 else (None, None)
+        read, write = (parse_rate(p) for p in parts) if len(parts) == 2 else (None, None)
     except ValueError:
         read = write = None
     if not read or not write:

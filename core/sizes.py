@@ -29,3 +29,19 @@ def parse_size(text: str | int) -> int:
     if not match or match.group(2) not in _SIZE_UNITS:
         raise ValueError(f"not a size: {text!r} (examples: 5GB, 512MiB, 1000000)")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+
+
+def parse_rate(value: str | int | float) -> float:
+    """Bytes per second from a number, or a size with an optional `/s` (`2GiB`, `800MB/s`).
+
+    Raises:
+        ValueError: not a rate, or not positive.
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        rate = float(value)
+    else:
+        text = str(value).strip()
+        rate = float(parse_size(text[:-2] if text.lower().endswith("/s") else text))
+    if not rate > 0:
+        raise ValueError(f"not a positive rate: {value!r}")
+    return rate

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from hpckpt.core.io import bandwidth
-from hpckpt.core.sizes import parse_size
+from hpckpt.core.sizes import parse_rate
 from hpckpt.core.storage.object_path import is_object
 
 STORAGE_VARIABLE = "HPCKPT_STORAGE_BANDWIDTH"
@@ -57,17 +57,12 @@ def parse_bandwidth(value: str | int | float, what: str) -> float:
     Raises:
         ValueError: not a rate, or not positive.
     """
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        rate = float(value)
-    else:
-        text = str(value).strip()
-        try:
-            rate = float(parse_size(text[:-2] if text.lower().endswith("/s") else text))
-        except ValueError:
-            raise ValueError(f"{what}: not a bandwidth: {value!r} (examples: 2GiB, 800MB/s, 1e9)") from None
-    if not rate > 0:
-        raise ValueError(f"{what}: a bandwidth must be positive, not {value!r}")
-    return rate
+    try:
+        return parse_rate(value)
+    except ValueError:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            raise ValueError(f"{what}: a bandwidth must be positive, not {value!r}") from None
+        raise ValueError(f"{what}: not a bandwidth: {value!r} (examples: 2GiB, 800MB/s, 1e9)") from None
 
 
 def configured(argument: str | int | float | None, variable: str) -> Figure | None:

@@ -193,7 +193,7 @@ def main() -> None:
     code = _run_cli(argv)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # as the `hpckpt` console script leaves (cli/app.py: no process group, no teardown to hide)
+    os._exit(code)  # (a harness around the CLI: the kill points it installs are not torn down)
 
 
 if __name__ == "__main__":

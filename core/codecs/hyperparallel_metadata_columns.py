@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpckpt.core.codecs.hyperparallel_metadata import HP_METADATA_MODULE, HP_STORAGE_MODULE
+from hpckpt.core.codecs.pickle_builder import PickleBuilder
 
 _INT32 = 2**31 - 1
 
@@ -83,7 +84,7 @@ class _Writer:
             module, name = value  # type: ignore[misc]
             self.emit(pickle.GLOBAL + f"{module}\n{name}\n".encode("ascii"))
         else:
-            self.emit(_string(str(value)))
+            self.emit(_encoded(str(value)))
         index = self.memo[(kind, value)] = len(self.memo)
         self.emit(pickle.LONG_BINPUT + struct.pack("<I", index))
 
@@ -110,38 +111,14 @@ _NAMES = ("state_dict_metadata", "planner_data", "storage_data", "version", "pro
           "tensor_key")
 
 
-def _string(text: str) -> bytes:
-    raw = text.encode("utf-8", "surrogatepass")
-    return pickle.BINUNICODE + struct.pack("<I", len(raw)) + raw
-
-
-def _int(value: int) -> bytes:
-    if 0 <= value < 0x100:
-        return pickle.BININT1 + bytes([value])
-    if -(2**31) <= value <= _INT32:
-        return pickle.BININT + struct.pack("<i", value)
-    raw = value.to_bytes(value.bit_length() // 8 + 1, "little", signed=True)
-    return pickle.LONG1 + bytes([len(raw)]) + raw
-
-
-def _plain(value: object) -> bytes:
-    """Plain data (planner data: names and key paths) as opcodes, no memo."""
-    if value is None:
-        return pickle.NONE
-    if isinstance(value, bool):
-        return pickle.NEWTRUE if value else pickle.NEWFALSE
-    if isinstance(value, int):
-        return _int(value)
-    if isinstance(value, str):
-        return _string(value)
-    if isinstance(value, tuple):
-        return pickle.MARK + b"".join(_plain(v) for v in value) + pickle.TUPLE
-    if isinstance(value, list):
-        return pickle.EMPTY_LIST + pickle.MARK + b"".join(_plain(v) for v in value) + pickle.APPENDS
-    if isinstance(value, dict):
-        return pickle.EMPTY_DICT + pickle.MARK + b"".join(_plain(k) + _plain(v) for k, v in value.items()) + \
-            pickle.SETITEMS
-    raise TypeError(f"planner data holds a {type(value).__name__}")
+def _encoded(value: object) -> bytes:
+    """A plain value (a string, an int, planner data: names and key paths) as opcodes, by the
+    project's one hand-written pickler; it must not touch the memo, which is this module's."""
+    builder = PickleBuilder()
+    builder.value(value, "metadata")
+    if builder.checkpoint()[1]:
+        raise TypeError(f"planner data holds a value that needs a global: {value!r:.80}")
+    return bytes(builder.body)
 
 
 def _tuple_ops(ndim: int) -> tuple[bytes, bytes]:
@@ -168,8 +145,8 @@ class _Record:
         self.slots.append(len(self.template))
         self.template += b"\0\0\0\0"
 
-    def fill(self, columns: Sequence[np.ndarray]) -> bytes:
-        n = len(columns[0]) if columns else 0
+    def fill(self, columns: Sequence[np.ndarray], n: int) -> bytes:
+        """`n` records, slot i taking `columns[i]`."""
         rows = np.tile(np.frombuffer(bytes(self.template), np.uint8), (n, 1))
         for at, values in zip(self.slots, columns):
             rows[:, at:at + 4] = np.ascontiguousarray(values, "<i4").view(np.uint8).reshape(n, 4)
@@ -181,7 +158,6 @@ def dumps_metadata_columns(tensors: Sequence[TensorColumns], values: Sequence[Va
     """The `.metadata` of these tensors (in order) and values; `files[r]` is the file of rank r's
     chunks. Check `fits` first."""
     w = _Writer()
-    w.emit(b"")  # (the protocol opcode: `_framed`)
     w.emit(pickle.MARK)
     for cls in _CLASSES.values():
         w.remember("global", cls)
@@ -214,12 +190,12 @@ def dumps_metadata_columns(tensors: Sequence[TensorColumns], values: Sequence[Va
     for v in values:
         key = w.obj("MetadataIndex", [("fqn", w.get("str", v.fqn)), ("offset", pickle.EMPTY_TUPLE),
                                       ("index", pickle.NONE)])
-        info = w.obj("StorageInfo", [("relative_path", w.get("str", v.file)), ("offset", _int(v.offset)),
-                                     ("length", _int(v.length)), ("tensor_key", pickle.NONE)])
+        info = w.obj("StorageInfo", [("relative_path", w.get("str", v.file)), ("offset", _encoded(v.offset)),
+                                     ("length", _encoded(v.length)), ("tensor_key", pickle.NONE)])
         w.emit(key + info)
     w.emit(pickle.SETITEMS)
-    w.emit(w.get("str", "version") + _string(version))
-    w.emit(w.get("str", "planner_data") + _plain(planner_data))
+    w.emit(w.get("str", "version") + _encoded(version))
+    w.emit(w.get("str", "planner_data") + _encoded(planner_data))
     w.emit(pickle.SETITEMS + pickle.BUILD + pickle.STOP)
     return _framed(w.parts)
 
@@ -239,7 +215,7 @@ def _framed(parts: list[bytes]) -> bytes:
             out.append(pickle.FRAME + struct.pack("<Q", size))
             out.extend(pending)
             pending, size = [], 0
-    for part in parts[1:]:  # (the first is the protocol-2 header and the preamble's mark)
+    for part in parts:
         if size + len(part) > FRAME_BYTES:
             flush()
         pending.append(part)
@@ -252,7 +228,7 @@ def _tensor_entry(w: _Writer, t: TensorColumns) -> None:
     """`fqn: TensorStorageMetadata(properties, size, chunks=[ChunkStorageMetadata...])`."""
     properties = w.obj("TensorProperties", [("dtype", w.get("str", t.dtype)), ("requires_grad", pickle.NEWFALSE),
                                             ("memory_format", pickle.NONE)])
-    size = _plain(tuple(int(s) for s in t.shape))
+    size = _encoded(tuple(int(s) for s in t.shape))
     w.emit(w.get("str", t.fqn) + w.get("global", _CLASSES["TensorStorageMetadata"]) + pickle.EMPTY_TUPLE +
            pickle.NEWOBJ + pickle.EMPTY_DICT + pickle.MARK + w.get("str", "properties") + properties +
            w.get("str", "size") + size + w.get("str", "chunks") + pickle.EMPTY_LIST + pickle.MARK)
@@ -268,13 +244,8 @@ def _tensor_entry(w: _Writer, t: TensorColumns) -> None:
         record.const(after)
     record.const(pickle.SETITEMS + pickle.BUILD)
     columns = [t.offsets[:, d] for d in range(ndim)] + [t.sizes[:, d] for d in range(ndim)]
-    w.emit(_rows(record, columns, len(t.index)))
+    w.emit(record.fill(columns, len(t.index)))
     w.emit(pickle.APPENDS + pickle.SETITEMS + pickle.BUILD)
-
-
-def _rows(record: _Record, columns: list[np.ndarray], n: int) -> bytes:
-    """`record.fill`, also for records without integer slots (a 0-d tensor's chunks)."""
-    return record.fill(columns) if columns else bytes(record.template) * n
 
 
 def _storage_entries(w: _Writer, t: TensorColumns, file_memo: np.ndarray) -> None:
@@ -301,4 +272,4 @@ def _storage_entries(w: _Writer, t: TensorColumns, file_memo: np.ndarray) -> Non
     else:
         keys = np.array([w.memo[("str", k)] for k in t.keys], np.int64)
     columns = [t.offsets[:, d] for d in range(ndim)] + [t.index, file_memo[t.ranks], keys]
-    w.emit(record.fill(columns))
+    w.emit(record.fill(columns, len(t.index)))

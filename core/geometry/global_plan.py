@@ -265,8 +265,7 @@ def _stored_boxes(rows, width, ndims, shapes, names, dtypes, dedup, world_size):
     nbytes = volume * itemsize[g_tid] if len(g_tid) else np.zeros(0, np.int64)
     if dedup == "none":
         expand = np.repeat(np.arange(len(starts)), counts)
-        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        owner = rank_col[np.repeat(starts, counts) + within]  # every holder of every box
+        owner = rank_col[members(starts, counts)]  # every holder of every box
         return g_tid[expand], owner, g_off[expand], g_size[expand]
     owner = rank_col[starts].copy()  # the lowest-ranked holder
     if dedup == "balanced":
@@ -280,6 +279,11 @@ def _stored_boxes(rows, width, ndims, shapes, names, dtypes, dedup, world_size):
         owner[ranked] = least_loaded(load.tolist(), ((rank_col[int(starts[g]):int(starts[g] + counts[g])], nbytes[g])
                                                      for g in ranked))
     return g_tid, owner, g_off, g_size
+
+
+def members(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The positions of runs `[starts[i], starts[i] + counts[i])`, run after run."""
+    return np.repeat(starts, counts) + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def one_per_start(same_start: np.ndarray, volume: np.ndarray) -> np.ndarray | None:

@@ -33,7 +33,7 @@ import numpy as np
 
 from hpckpt.core.dtypes import DType, dtype as parse_dtype
 from hpckpt.core.errors import CorruptMetadataError, GeometryError
-from hpckpt.core.geometry.global_plan import DEDUP_MODES, GlobalPlan, check_cover, one_per_start
+from hpckpt.core.geometry.global_plan import DEDUP_MODES, GlobalPlan, check_cover, members, one_per_start
 from hpckpt.core.geometry.layout import Mesh, RaggedShard, TensorLayout, parse_placements
 from hpckpt.core.geometry.plan import PlannedValue
 from hpckpt.core.geometry.rank_boxes import grid
@@ -155,8 +155,7 @@ def _least_loaded_at_once(load: np.ndarray, groups: _Groups, which: np.ndarray) 
     the lowest rank of equals, which is the one-by-one greedy's choice."""
     starts, counts = groups.starts[which], groups.counts[which]
     segment = np.repeat(np.arange(len(which)), counts)
-    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    held = groups.holders[np.repeat(starts, counts) + within]
+    held = groups.holders[members(starts, counts)]
     loads = load[held]
     least = np.minimum.reduceat(loads, np.cumsum(counts) - counts)
     at_least = np.flatnonzero(loads == least[segment])
@@ -204,7 +203,7 @@ def build_layout_plan(tensors: Sequence[tuple[str, DType, tuple[int, ...], Tenso
 def _owners(per_tensor: list[_Groups], nbytes: list[np.ndarray], dedup: str, world_size: int) -> list[np.ndarray]:
     """Who stores each distinct box of each tensor (for "none": every holder, box after box)."""
     if dedup == "none":
-        return [g.holders[np.repeat(g.starts, g.counts) + _within(g.counts)].astype(np.int32) for g in per_tensor]
+        return [g.holders[members(g.starts, g.counts)].astype(np.int32) for g in per_tensor]
     owners = [g.holders[g.starts].astype(np.int32) for g in per_tensor]  # the lowest-ranked holder
     if dedup == "lowest-rank":
         return owners
@@ -226,10 +225,6 @@ def _owners(per_tensor: list[_Groups], nbytes: list[np.ndarray], dedup: str, wor
         owners[t][run] = chosen
         load[chosen] += nbytes[t][run]  # (distinct holders: no two boxes add to one rank here)
     return owners
-
-
-def _within(counts: np.ndarray) -> np.ndarray:
-    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _assemble(names, dtypes, shapes, width, per_tensor, owners, world_size, values, value_lengths, nesting,
@@ -258,7 +253,6 @@ def _assemble(names, dtypes, shapes, width, per_tensor, owners, world_size, valu
         off[at:at + k, :nd] = g.offsets[box[slot]]
         size[at:at + k, :nd] = g.sizes[box[slot]]
         at += k
-    index = (np.arange(n, dtype=np.int64) - np.repeat(np.cumsum([0] + [len(o) for o in owners[:-1]]),
-                                                       [len(o) for o in owners])).astype(np.int32)
+    index = np.concatenate([np.arange(len(o), dtype=np.int32) for o in owners]) if owners else np.zeros(0, np.int32)
     return GlobalPlan(world_size, list(names), list(dtypes), list(shapes), tid, owner, index, off, size,
                       tuple(values), dict(value_lengths), dict(nesting), key)
