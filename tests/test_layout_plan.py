@@ -121,8 +121,7 @@ def test_each_rank_describes_the_same_table_or_none():
     tables = [layout_table(local(r, [grid, "replicated"]), r, 4, ranks_are_global=True) for r in range(4)]
     assert all(t is not None for t in tables) and len({t.digest() for t in tables}) == 1
     assert tables[0].nesting == {"w": ("model", "w")}
-    again = type(tables[0]).from_json(tables[0].to_json())
-    assert again.digest() == tables[0].digest() and again.rows[1][3].mesh.shape == (4,)  # b: replicated on 4
+    assert tables[0].rows[1][3].mesh.shape == (4,)  # b: replicated on 4
     assert layout_table(local(1, [grid, "replicated"], boxes=[Box((0, 0), (3, 2))]), 1, 4,
                         ranks_are_global=True) is None  # rank 1's box is not the layout's
     assert layout_table(local(0, [grid, "replicated"]), 0, 4, ranks_are_global=False) is None

@@ -32,17 +32,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpckpt.core.dtypes import DType, dtype as parse_dtype
-from hpckpt.core.errors import CorruptMetadataError, GeometryError
+from hpckpt.core.errors import GeometryError
 from hpckpt.core.geometry.global_plan import DEDUP_MODES, GlobalPlan, check_cover, members, one_per_start
-from hpckpt.core.geometry.layout import Mesh, RaggedShard, TensorLayout, parse_placements
+from hpckpt.core.geometry.layout import RaggedShard, TensorLayout
 from hpckpt.core.geometry.plan import PlannedValue
 from hpckpt.core.geometry.rank_boxes import grid
 
 
 class LayoutTable:
     """Every tensor of a save as `(name, dtype name, shape, TensorLayout)`, in the ranks' order,
-    and the key paths that are not the name split at its dots; JSON with each mesh once (a mesh
-    of thousands of ranks in the usual order is its shape alone)."""
+    and the key paths that are not the name split at its dots. Its JSON (each mesh once; a mesh
+    of thousands of ranks in the usual order is its shape alone) is what its digest is taken of:
+    ranks compare digests, the table itself never travels."""
 
     __slots__ = ("rows", "nesting", "_json")
 
@@ -71,23 +72,6 @@ class LayoutTable:
 
     def digest(self) -> str:
         return hashlib.blake2b(self.to_json().encode(), digest_size=20).hexdigest()
-
-    @classmethod
-    def from_json(cls, text: str) -> "LayoutTable":
-        """Raises:
-            CorruptMetadataError: not a table (a peer that is not this version of hpckpt)."""
-        try:
-            doc = json.loads(text)
-            meshes = [Mesh(tuple(shape), None if ranks is None else tuple(ranks)) for shape, ranks in doc["meshes"]]
-            rows = [(str(name), str(dt), tuple(int(s) for s in shape),
-                     TensorLayout(meshes[m], parse_placements(placements), None if order is None else tuple(order)))
-                    for name, dt, shape, m, placements, order in doc["tensors"]]
-            nesting = {str(fqn): tuple(path) for fqn, path in doc["nesting"].items()}
-        except (ValueError, KeyError, TypeError, IndexError, GeometryError) as exc:
-            raise CorruptMetadataError(f"a layout table from a peer rank cannot be read ({exc})") from None
-        table = cls(rows, nesting)
-        table._json = text
-        return table
 
     def plan(self, world_size: int, *, dedup: str, values: tuple[PlannedValue, ...], value_lengths: dict[str, int],
              nesting: dict[str, tuple], key: str) -> GlobalPlan:
