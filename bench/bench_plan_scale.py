@@ -188,8 +188,53 @@ def boxes_case(world: int, n_tensors: int, layout: str, out: dict) -> None:
     out["key_s"] = time.perf_counter() - t0
 
 
+def load_case(world: int, n_tensors: int, layout: str, out: dict, boxes: bool) -> None:
+    """The plan of a live load into these layouts (`hpckpt.dist.load`): which boxes several ranks
+    want and who reads each one broadcast, from the digest of the layout table every rank sends
+    (`LayoutWants`; every set broadcasts, so every shared box gets its reader); with --boxes also
+    from every rank's gathered list of boxes (`ListedWants`), what every load did before."""
+    from hpckpt.core.dtypes import dtype
+    from hpckpt.core.geometry.layout_plan import LayoutTable, mesh_boxes
+    from hpckpt.core.geometry.load_sharing import LayoutWants, ListedWants
+
+    meshes: dict = {}
+    rows = [(n, s, layout_of(s, layout, world, meshes), dtype(d).itemsize) for n, d, s in tensors_of(n_tensors)]
+    digest = LayoutTable([(n, "bfloat16", s, lay) for n, s, lay, _i in rows]).digest()
+    out["load_sent_b"] = len(json.dumps([{"table": digest}, None, "host-0000"]).encode())
+    reset_peak_rss()
+    t0 = time.perf_counter()
+    wants = LayoutWants(rows, world, 0)
+    out["load_shared_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    mine = wants.mine(set(wants.shared))
+    out["load_readers_s"] = time.perf_counter() - t0
+    out["load_peak_mib"] = peak_mib()
+    out["load_sets"] = len(wants.shared)
+    out["load_shared_boxes"] = sum(b for b, _n in wants.shared.values())
+    out["load_mine"] = len(mine)
+    if not boxes or world > 4096:
+        return
+    everyone = [[] for _ in range(world)]
+    for n, s, lay, itemsize in rows:
+        ranks, offsets, sizes = mesh_boxes(lay, s)
+        for r, o, z in zip(ranks.tolist(), offsets.tolist(), sizes.tolist()):
+            if all(z):
+                everyone[r].append([n, o, z, int(np.prod(z)) * itemsize])
+    wires = [json.dumps([{"boxes": w}, None, "host-0000"]) for w in everyone]
+    out["load_boxes_sent_kib"] = max(len(w) for w in wires) / 1024
+    del everyone
+    reset_peak_rss()
+    t0 = time.perf_counter()
+    listed = ListedWants([json.loads(w)[0]["boxes"] for w in wires], 0)
+    listed.mine(set(listed.shared))
+    out["load_boxes_s"] = time.perf_counter() - t0
+    out["load_boxes_peak_mib"] = peak_mib()
+    assert listed.shared == wants.shared, "the two paths share different boxes"
+
+
 def one_case(world: int, n_tensors: int, layout: str, metadata: bool, boxes: bool) -> dict:
     out = {"ranks": world, "tensors": n_tensors, "layout": layout, "state_mib": round(peak_mib())}
+    load_case(world, n_tensors, layout, out, boxes)
     gp = layouts_case(world, n_tensors, layout, out)
     if metadata:  # the coordinator's commit, step by step as dist/save_commit.py `_commit` does it
         import tempfile
@@ -240,6 +285,7 @@ def main() -> None:
         print(json.dumps(one_case(int(world), args.tensors, layout, not args.no_metadata, args.boxes)))
         return
     print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    loads = []
     print("| ranks | layout | boxes held / stored | table: s, a rank sends B, receives MiB | plan from layouts: s, peak MiB "
           "| own plan s (boxes) | commit: Plan s, .metadata s (MiB), read back s; peak MiB | boxes path: a rank sends KiB, receives MiB; parse s, MiB; "
           "global plan s, MiB |")
@@ -262,6 +308,16 @@ def main() -> None:
                   f"{r['table_s']:.3f}, {r['table_sent_b']}, {r['table_received_mib']:.1f} | "
                   f"{r['layouts_s']:.2f}, {r['layouts_peak_mib']:.0f} | {r['own_plan_s']:.3f} ({r['own_boxes']:,}) | "
                   f"{meta} | {boxes} |", flush=True)
+            loads.append(r)
+    print("\nA live load into the same layouts (who wants which boxes, who reads each shared one):\n")
+    print("| ranks | layout | a rank sends B | shared sets, boxes | shared from layouts s | readers s | peak MiB "
+          "| boxes path: a rank sends KiB; s, peak MiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in loads:
+        listed = f"{r['load_boxes_sent_kib']:.0f}; {r['load_boxes_s']:.2f}, {r['load_boxes_peak_mib']:.0f}" \
+            if "load_boxes_s" in r else "-"
+        print(f"| {r['ranks']:,} | {r['layout']} | {r['load_sent_b']} | {r['load_sets']:,}, {r['load_shared_boxes']:,} | "
+              f"{r['load_shared_s']:.2f} | {r['load_readers_s']:.2f} | {r['load_peak_mib']:.0f} | {listed} |")
     print(f"load average {os.getloadavg()[0]:.2f}")
 
 

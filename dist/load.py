@@ -2,7 +2,9 @@
 
 Each rank asks for the boxes it holds (`dist.shards`) and reads, with ranged reads, only their
 overlaps with the saved chunks (`core.io.read.read_box`). The boxes several ranks want (HSDP
-replicas, replicated tensors) are found from one gather of every rank's wanted boxes. Per set of
+replicas, replicated tensors) are found from one gather (`core.geometry.load_sharing`): of the
+digest of every rank's table of layouts where the ranks' tensors have the same layouts (nothing
+else travels, at any scale), else of every rank's wanted boxes. Per set of
 ranks sharing boxes, either every holder reads them, or one holder reads each (chosen to balance
 bytes: largest first, the least-loaded holder) and broadcasts it to the others in batches, so the
 job reads it once (`LoadResult.read_amplification` 1.0 where every shared box is broadcast).
@@ -24,9 +26,11 @@ import numpy as np
 
 from hpckpt.converters import open_index
 from hpckpt.core.commit.lock import reading
-from hpckpt.core.errors import EntryMismatchError
-from hpckpt.core.geometry.assign import least_loaded
+from hpckpt.core.errors import EntryMismatchError, GeometryError
 from hpckpt.core.geometry.box import Box
+from hpckpt.core.geometry.layout import Mesh, Replicate, TensorLayout
+from hpckpt.core.geometry.layout_plan import LayoutTable
+from hpckpt.core.geometry.load_sharing import LayoutWants, ListedWants
 from hpckpt.core.io.read import OpenFiles, read_box
 from hpckpt.core.storage.object_path import is_object
 from hpckpt.core.storage.urls import as_path
@@ -130,7 +134,7 @@ def load(state_dict: Any, checkpoint_id: str | Path | None = None, *, process_gr
     with reading(path):
         index = open_index(path)
         targets: list[_Target] = []
-        missing, values = [], []
+        missing, values, described = [], [], []
         for fqn, obj in flat.items():
             if frameworks.is_any_tensor(obj):
                 entry = index.tensors.get(fqn)
@@ -142,6 +146,7 @@ def load(state_dict: Any, checkpoint_id: str | Path | None = None, *, process_gr
                     raise EntryMismatchError(f"{fqn}: the checkpoint holds it as {list(entry.shape)}, the state dict "
                                              f"as {list(shards.shape)}")
                 targets += [_Target(fqn, entry, box, t) for box, t in shards.pieces if not box.is_empty]
+                described.append((fqn, entry, shards))
             elif fqn in index.values:
                 values.append(fqn)
             else:
@@ -154,20 +159,17 @@ def load(state_dict: Any, checkpoint_id: str | Path | None = None, *, process_gr
         unused = tuple(n for n in (*index.tensors, *index.values) if n not in wanted)
         proposal = _proposal(broadcast_shared, storage_bandwidth, network_bandwidth, path, fw, job) \
             if job.rank == 0 and job.world_size > 1 else None
-        gathered = job.collectives().all_gather("load-wanted", [_wanted(targets), proposal, bandwidths.machine()]) \
-            if job.world_size > 1 else [[_wanted(targets), None, ""]]
-        everyone = [g[0] for g in gathered]
-        holders, sizes = _holders(everyone)
-        route = _route(gathered[0][1], holders, sizes, job, path, index, [g[2] for g in gathered])
-        sent = {k for k, ranks in holders.items() if route.choice.get(tuple(ranks)) == BROADCAST}
-        readers, shared = _assign(holders, sizes, sent, targets, job.world_size)
+        wants, wants_from, gathered = _wants(targets, described, proposal, job)
+        route = _route(gathered[0][1], wants.shared, job, path, index, [g[2] for g in gathered])
+        sent = {ranks for ranks, choice in route.choice.items() if choice == BROADCAST}
+        readers, shared = _assign(wants.mine(sent), targets)
         converted = []
         if progress is not None:
             progress.start(sum(t.nbytes for t in targets))
         mine = [t for i, t in enumerate(targets) if readers.get(i, job.rank) == job.rank]
         pending = sum(t.nbytes for t in targets) - sum(t.nbytes for t in mine)
         bytes_read = _fill_all(mine, index, fw, progress, converted, FILLS_IN_FLIGHT if is_object(path) else 1)
-        received = _broadcast(shared, targets, job) if shared else 0
+        received = _broadcast(shared, sorted(sent), targets, job) if sent else 0
         if progress is not None and pending:
             progress.advance(pending)
         for fqn in values:
@@ -176,7 +178,7 @@ def load(state_dict: Any, checkpoint_id: str | Path | None = None, *, process_gr
                 value = io.BytesIO(value)  # hpckpt's readers give a saved BytesIO's content
             set_path(resolved.view if resolved.owner(paths[fqn]) else state_dict, paths[fqn], value)
     job_read = bytes_read if job.world_size == 1 else sum(job.collectives().all_gather("load-read", bytes_read))
-    job_wanted = sum({(f, tuple(o), tuple(z)): n for boxes in everyone for f, o, z, n in boxes}.values())
+    job_wanted = wants.wanted_bytes
     resolved.restore()
     return LoadResult(path=path, rank=job.rank, world_size=job.world_size, format=index.format,
                       tensors=len({t.fqn for t in targets}), values=len(values), bytes_read=bytes_read,
@@ -184,7 +186,7 @@ def load(state_dict: Any, checkpoint_id: str | Path | None = None, *, process_gr
                       read_amplification=(job_read / job_wanted) if job_wanted else 1.0, missing=tuple(missing),
                       unused=unused, converted=tuple(converted), seconds=time.perf_counter() - started,
                       broadcast=overall(g.choice for g in route.groups), broadcast_reason=route.reason,
-                      shared_groups=route.groups, **route.figures())
+                      shared_groups=route.groups, wants_from=wants_from, **route.figures())
 
 
 #: Boxes filled at once from an object store: each is its own ranged GETs, and a store answers
@@ -225,16 +227,48 @@ def _wanted(targets: list[_Target]) -> list[list]:
     return [[t.fqn, list(t.box.offsets), list(t.box.sizes), t.nbytes] for t in targets]
 
 
-def _holders(everyone: list[list]) -> tuple[dict[tuple, list[int]], dict[tuple, int]]:
-    """The ranks wanting each box (`everyone`: each rank's `_wanted`), in rank order, and its bytes."""
-    holders: dict[tuple, list[int]] = defaultdict(list)
-    nbytes: dict[tuple, int] = {}
-    for rank, boxes in enumerate(everyone):
-        for fqn, offsets, sizes, n in boxes:
-            key = (fqn, tuple(offsets), tuple(sizes))
-            holders[key].append(rank)
-            nbytes[key] = n
-    return holders, nbytes
+def _layout_rows(described: list, job) -> list | None:
+    """This rank's wanted tensors as `(fqn, shape, layout, itemsize)` over the job's ranks, each
+    layout checked to give exactly this rank's boxes; None when one has none (HyperParallel
+    `chunk_info`, a strided shard, a mesh in global ranks of a job that is a subgroup). A plain
+    tensor is wanted whole by every rank."""
+    ranks_are_global = job.comm is None or bool(getattr(job.comm, "is_world", False))
+    me, rows, everyone = job.global_rank(job.rank), [], None
+    for fqn, entry, shards in described:
+        layout = shards.layout
+        if shards.replicated:
+            layout = everyone = everyone or TensorLayout(Mesh((job.world_size,)), (Replicate(),))
+        elif layout is None or not ranks_are_global or max(layout.mesh.ranks) >= job.world_size:
+            return None
+        try:
+            if layout.boxes(shards.shape, me) != [box for box, _t in shards.pieces]:
+                return None
+        except GeometryError:
+            return None
+        rows.append((fqn, tuple(shards.shape), layout, entry.dtype.itemsize))
+    return rows
+
+
+def _wants(targets: list[_Target], described: list, proposal: dict | None, job):
+    """Which boxes every rank wants, learnt in the first gather (which also carries rank 0's
+    `proposal` and each rank's machine): when every rank's tensors have layouts and the same
+    table of them, its digest (`LayoutWants`); else every rank's boxes (`ListedWants`), in a
+    second gather when only some ranks sent theirs. Returns `(wants, wants_from, gathered)`."""
+    if job.world_size == 1:
+        return ListedWants([_wanted(targets)], 0), "", [[None, None, ""]]
+    rows = _layout_rows(described, job)
+    table = None if rows is None else \
+        LayoutTable([(f, e.dtype.name, s, lay) for (f, s, lay, _i), (_f, e, _s) in zip(rows, described)]).digest()
+    part = {"table": table} if table is not None else {"boxes": _wanted(targets)}
+    gathered = job.collectives().all_gather("load-wanted", [part, proposal, bandwidths.machine()])
+    parts = [g[0] for g in gathered]
+    if table is not None and all(p.get("table") == table for p in parts):
+        return LayoutWants(rows, job.world_size, job.rank), "layouts", gathered
+    if any("boxes" not in p for p in parts):
+        everyone = job.collectives().all_gather("load-boxes", _wanted(targets))
+    else:
+        everyone = [p["boxes"] for p in parts]
+    return ListedWants(everyone, job.rank), "boxes", gathered
 
 
 class _Route:
@@ -262,16 +296,12 @@ def _proposal(mode, storage_bandwidth, network_bandwidth, path: Path, fw, job) -
             "memory": bandwidths.memory_rate()}
 
 
-def _route(proposal: dict | None, holders: dict[tuple, list[int]], nbytes: dict[tuple, int], job, path: Path,
+def _route(proposal: dict | None, shared: dict[tuple[int, ...], tuple[int, int]], job, path: Path,
            index, hosts: list[str]) -> _Route:
-    """Read or broadcast, per set of ranks sharing boxes, as rank 0's `proposal` says: forced, or
-    (`"auto"`) by `choose` from rank 0's figures; those it lacked are measured now (the network by
-    every rank, the storage by rank 0) and agreed on in one more gather."""
-    shared: dict[tuple[int, ...], list[int]] = defaultdict(lambda: [0, 0])
-    for key, ranks in holders.items():
-        if len(ranks) > 1:
-            shared[tuple(ranks)][0] += 1
-            shared[tuple(ranks)][1] += nbytes[key]
+    """Read or broadcast, per set of ranks sharing boxes (`shared`: their boxes and bytes), as
+    rank 0's `proposal` says: forced, or (`"auto"`) by `choose` from rank 0's figures; those it
+    lacked are measured now (the network by every rank, the storage by rank 0) and agreed on in
+    one more gather."""
     if not shared or proposal is None:
         return _Route("nothing shared")
     if proposal["mode"] != "auto":
@@ -295,49 +325,41 @@ def _route(proposal: dict | None, holders: dict[tuple, list[int]], nbytes: dict[
     return _Route("auto", tuple(groups), storage, network, proposal["memory"])
 
 
-def _assign(holders: dict[tuple, list[int]], nbytes: dict[tuple, int], sent: set, targets: list[_Target],
-            world_size: int) -> tuple[dict[int, int], list]:
-    """Who reads each box of `sent` (boxes several ranks want, to be broadcast), and the
-    broadcasts that carry it to the others; every other box is read by each rank wanting it.
-
-    Returns this rank's reader per target position, and the shared boxes as
-    `(holders, reader, [(fqn, offsets, sizes)])` batches in one order every rank agrees on."""
-    load = [0] * world_size
-    for key, ranks in holders.items():
-        if key not in sent:
-            for rank in ranks:
-                load[rank] += nbytes[key]
-    shared = sorted(sent, key=lambda k: (-nbytes[k], k))
-    reader = dict(zip(shared, least_loaded(load, ((holders[k], nbytes[k]) for k in shared))))
-    mine = {}
+def _assign(mine: dict[tuple, tuple[tuple[int, ...], int]], targets: list[_Target]) -> tuple[dict[int, int], list]:
+    """This rank's shared boxes to broadcast (`mine`: per box its holders and reader, from the
+    job's wants) as a reader per target position, and the batches that carry them: per (holders,
+    reader), the boxes in key order, cut at `BATCH_BYTES`. Every holder of a set holds the same
+    boxes of it, so each computes the same batches of the sets it is in."""
+    readers, groups = {}, defaultdict(dict)
     for i, t in enumerate(targets):
         key = (t.fqn, t.box.offsets, t.box.sizes)
-        if key in reader:
-            mine[i] = reader[key]
-    groups: dict[tuple[tuple[int, ...], int], list] = defaultdict(list)
-    for key in sorted(reader):
-        groups[(tuple(holders[key]), reader[key])].append(key)
+        if key in mine:
+            holders, reader = mine[key]
+            readers[i] = reader
+            groups[(holders, reader)][key] = t.nbytes
     batches = []
-    for (ranks, src), keys in sorted(groups.items()):
+    for (ranks, src), boxes in sorted(groups.items()):
         batch, size = [], 0
-        for key in keys:
-            if batch and size + nbytes[key] > BATCH_BYTES:
+        for key in sorted(boxes):
+            if batch and size + boxes[key] > BATCH_BYTES:
                 batches.append((ranks, src, batch))
                 batch, size = [], 0
             batch.append(key)
-            size += nbytes[key]
+            size += boxes[key]
         if batch:
             batches.append((ranks, src, batch))
-    return mine, batches
+    return readers, batches
 
 
-def _broadcast(batches, targets: list[_Target], job) -> int:
-    """Send each shared box from its reader to the other holders; returns the bytes received."""
+def _broadcast(batches, sets: list[tuple[int, ...]], targets: list[_Target], job) -> int:
+    """Send each shared box from its reader to the other holders (`batches`: this rank's; `sets`:
+    every set of holders that broadcasts, whose groups every rank creates in this order);
+    returns the bytes received."""
     fw, comm = job.framework, job.comm
     by_key = defaultdict(list)
     for t in targets:
         by_key[(t.fqn, t.box.offsets, t.box.sizes)].append(t)
-    groups = comm.groups(sorted({ranks for ranks, _src, _keys in batches}))  # every rank, same order
+    groups = comm.groups(sets)
     received = 0
     try:
         for ranks, src, keys in batches:

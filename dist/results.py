@@ -77,6 +77,9 @@ class LoadResult:
     came from ("argument", "environment", "cache", "probe", "unknown"; "" when not used):
     `storage_bandwidth` / `storage_bandwidth_from`, `network_bandwidth` / `network_bandwidth_from`,
     and `memory_bandwidth` (a copy in memory: what a second holder on one machine pays).
+    `wants_from`: how the ranks learnt which boxes the others want: "layouts" (every rank's
+    tensors had the same layouts: the ranks sent a digest), "boxes" (they sent their boxes), ""
+    (a job of one).
     """
 
     path: Path
@@ -102,6 +105,7 @@ class LoadResult:
     network_bandwidth: float | None = None
     network_bandwidth_from: str = ""
     memory_bandwidth: float | None = None
+    wants_from: str = ""
 
 
 @dataclass

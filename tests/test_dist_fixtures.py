@@ -188,6 +188,8 @@ def test_load_every_fixture_into_dtensors(world, tmp_path):
                 if not saved_layout["failures"] and (saved_layout["tensors_checked"] < 10 or shards < 8):
                     problems.append(f"rank {r} async@saved-layout: {saved_layout['tensors_checked']} tensors checked, "
                                     f"{shards} as chunk_info shards")
+                if saved_layout["wants_from"] != "boxes":  # chunk_info has no layout: the ranks list their boxes
+                    problems.append(f"rank {r} async@saved-layout: wants from {saved_layout['wants_from']!r}")
         missing = sorted(set(FIXTURE_NAMES) - set(fixtures))
         if missing:
             problems.append(f"rank {r}: fixtures not covered: {missing}")

@@ -74,8 +74,8 @@ def test_torch_saved_loads_into_two_torch_ranks_and_two_mindspore_ranks(saved):
                      env={"HPCKPT_STORAGE_BANDWIDTH": "1GiB", "HPCKPT_NETWORK_BANDWIDTH": "1TiB"}))
     _checked(doc, 2)
     assert all(r["bytes_broadcast"] > 0 and r["job_read_amplification"] == 1.0 for r in doc["ranks"])
-    assert {(r["broadcast"], r["broadcast_reason"], r["network_bandwidth"]) for r in doc["ranks"]} == \
-        {("broadcast", "auto", 2**40)}
+    assert {(r["broadcast"], r["broadcast_reason"], r["network_bandwidth"], r["wants_from"]) for r in doc["ranks"]} == \
+        {("broadcast", "auto", 2**40, "layouts")}  # (MindSpore ranks agree on a layout table)
 
 
 def test_mindspore_saved_has_mindspore_dtypes_and_loads_into_both(saved):

@@ -83,7 +83,7 @@ class LayoutTable:
 
 
 @dataclass(frozen=True)
-class _Groups:
+class DistinctBoxes:
     """The distinct boxes of one (shape, layout), in offset order, and who holds each.
 
     `holders` lists the global ranks holding each box, ascending, box after box (`starts`,
@@ -109,7 +109,7 @@ def mesh_boxes(layout: TensorLayout, shape: tuple[int, ...]) -> tuple[np.ndarray
     return grid(layout, shape)
 
 
-def _groups(layout: TensorLayout, shape: tuple[int, ...], name: str) -> _Groups:
+def distinct_boxes(layout: TensorLayout, shape: tuple[int, ...], name: str) -> DistinctBoxes:
     """Distinct boxes in (offsets, sizes) order with ascending holders; of boxes that start at one
     place (only empty ones can) the non-empty one, else the first, as `build_global_plan` keeps."""
     ranks, offsets, sizes = mesh_boxes(layout, shape)
@@ -131,10 +131,10 @@ def _groups(layout: TensorLayout, shape: tuple[int, ...], name: str) -> _Groups:
     if keep is not None:
         g_off, g_size, volume, starts, counts = g_off[keep], g_size[keep], volume[keep], starts[keep], counts[keep]
     check_cover(np.zeros(len(g_off), np.int64), g_off, g_size, volume, np.array([ndim]), [shape], [name])
-    return _Groups(g_off, g_size, volume, holders, starts, counts)
+    return DistinctBoxes(g_off, g_size, volume, holders, starts, counts)
 
 
-def _least_loaded_at_once(load: np.ndarray, groups: _Groups, which: np.ndarray) -> np.ndarray:
+def least_loaded_at_once(load: np.ndarray, groups: DistinctBoxes, which: np.ndarray) -> np.ndarray:
     """For boxes `which` of one tensor (their holders are disjoint): each one's least-loaded holder,
     the lowest rank of equals, which is the one-by-one greedy's choice."""
     starts, counts = groups.starts[which], groups.counts[which]
@@ -165,8 +165,8 @@ def build_layout_plan(tensors: Sequence[tuple[str, DType, tuple[int, ...], Tenso
     dtypes = [t[1] for t in tensors]
     shapes = [tuple(int(s) for s in t[2]) for t in tensors]
     width = max((len(s) for s in shapes), default=0)
-    patterns: dict[tuple, _Groups] = {}
-    per_tensor: list[_Groups] = []
+    patterns: dict[tuple, DistinctBoxes] = {}
+    per_tensor: list[DistinctBoxes] = []
     for name, _dt, shape, layout in tensors:
         shape = tuple(int(s) for s in shape)
         mesh = layout.mesh
@@ -176,7 +176,7 @@ def build_layout_plan(tensors: Sequence[tuple[str, DType, tuple[int, ...], Tenso
             if max(mesh.ranks) >= world_size:
                 raise GeometryError(f"{name}: layout {layout} places it on rank {max(mesh.ranks)} of a job of "
                                     f"{world_size}")
-            groups = patterns[found] = _groups(layout, shape, name)
+            groups = patterns[found] = distinct_boxes(layout, shape, name)
         per_tensor.append(groups)
     nbytes = [g.volume * dt.itemsize for g, dt in zip(per_tensor, dtypes)]
     owners = _owners(per_tensor, nbytes, dedup, world_size)
@@ -184,7 +184,7 @@ def build_layout_plan(tensors: Sequence[tuple[str, DType, tuple[int, ...], Tenso
                      nesting or {}, key)
 
 
-def _owners(per_tensor: list[_Groups], nbytes: list[np.ndarray], dedup: str, world_size: int) -> list[np.ndarray]:
+def _owners(per_tensor: list[DistinctBoxes], nbytes: list[np.ndarray], dedup: str, world_size: int) -> list[np.ndarray]:
     """Who stores each distinct box of each tensor (for "none": every holder, box after box)."""
     if dedup == "none":
         return [g.holders[members(g.starts, g.counts)].astype(np.int32) for g in per_tensor]
@@ -205,7 +205,7 @@ def _owners(per_tensor: list[_Groups], nbytes: list[np.ndarray], dedup: str, wor
                 shared_runs.append((-int(size[run[0]]), t, int(g.holders[g.starts[run[0]]]), run))
     shared_runs.sort(key=lambda r: r[:3])
     for _neg, t, _first, run in shared_runs:
-        chosen = _least_loaded_at_once(load, per_tensor[t], run)
+        chosen = least_loaded_at_once(load, per_tensor[t], run)
         owners[t][run] = chosen
         load[chosen] += nbytes[t][run]  # (distinct holders: no two boxes add to one rank here)
     return owners

@@ -92,7 +92,7 @@ def run(spec: dict, ctx) -> dict:
                "job_gib_per_s": round(result.job_bytes_wanted / job_seconds / 2**30, 3) if job_seconds else None,
                "missing": list(result.missing), "converted": [list(c) for c in result.converted],
                # boxes several ranks want: read by each or broadcast, and the figures behind the choice
-               "broadcast": result.broadcast, "broadcast_reason": result.broadcast_reason,
+               "wants_from": result.wants_from, "broadcast": result.broadcast, "broadcast_reason": result.broadcast_reason,
                "storage_bandwidth": result.storage_bandwidth, "network_bandwidth": result.network_bandwidth}
     if spec.get("check"):
         ctx.phase("checking every loaded box")

@@ -241,7 +241,7 @@ def load_in_saved_layout(fixture: Path, rank: int) -> dict:
             failures.append(problem)
     return {"failures": failures, "tensors_checked": len(boxes), "values_checked": len(values),
             "layout": {n: "chunk_info" if b is not None else "plain" for n, b in boxes.items()},
-            "read_amplification": result.read_amplification}
+            "read_amplification": result.read_amplification, "wants_from": result.wants_from}
 
 
 # ----------------------------------------------------------------------------------- save-live

@@ -374,6 +374,27 @@ def check_auto_loads(out: Path, state: dict, loaded: dict) -> None:
           and all(g.choice == "read" and g.read_seconds is None for g in r.shared_groups), f"load (f): {r}")
 
 
+class _Chunk:
+    """HyperParallel's ChunkInfo shape: `chunk.offsets`, `chunk.sizes`, `global_shape`."""
+
+    def __init__(self, offsets, sizes, global_shape):
+        self.chunk = type("ChunkStorageMetadata", (), {"offsets": tuple(offsets), "sizes": tuple(sizes)})()
+        self.global_shape = tuple(global_shape)
+
+
+def check_mixed_wants(out: Path, want: torch.Tensor) -> None:
+    """Rank 0's tensor carries HyperParallel's chunk_info (no layout: it sends its boxes), the
+    others' are plain (a layout: they send their table's digest); the ranks that sent a digest
+    then send their boxes too, and the box they all want is read once and broadcast."""
+    seen = torch.zeros_like(want)
+    if rank() == 0:
+        seen.chunk_info = _Chunk((0, 0), tuple(want.shape), tuple(want.shape))
+    r = hdist.load({"extra": {"seen": seen}}, out / "ckpt", broadcast_shared=True)
+    check(torch.equal(seen, want), f"mixed wants: extra.seen {seen.tolist()} != {want.tolist()}")
+    check((r.wants_from, [g.ranks for g in r.shared_groups], r.read_amplification)
+          == ("boxes", [tuple(range(dist.get_world_size()))], 1.0), f"mixed wants: {r}")
+
+
 def run_load(out: Path, mesh_spec: str) -> None:
     world = dist.get_world_size()
     if mesh_spec == "2x2":
@@ -400,6 +421,8 @@ def run_load(out: Path, mesh_spec: str) -> None:
           f"load with the network 64x the storage: {res.broadcast} ({res.broadcast_reason}), {res.shared_groups}")
     check((res.storage_bandwidth, res.storage_bandwidth_from, res.network_bandwidth, res.network_bandwidth_from)
           == (2**30, "argument", 2**40, "argument"), f"load: the figures used {res}")
+    # DTensors and plain tensors all have layouts: the ranks sent a digest of them, not their boxes
+    check(res.wants_from == "layouts", f"load: the ranks' wants came from {res.wants_from!r}")
     loaded = map_tree(state, lambda v: local(v).clone() if isinstance(v, torch.Tensor) else v)
     check(not res.missing and not res.unused, f"load: missing {res.missing}, unused {res.unused}")
     check(not res.converted, f"load converted dtypes: {res.converted}")
@@ -429,6 +452,7 @@ def run_load(out: Path, mesh_spec: str) -> None:
         check(sorted(g.ranks for g in res.shared_groups) == [(0, 1, 2, 3), (0, 2), (1, 3)],
               f"HSDP 2x2: the sets of ranks sharing boxes {[g.ranks for g in res.shared_groups]}")
         check_auto_loads(out, state, loaded)
+    check_mixed_wants(out, loaded["extra"]["seen"])
 
     if rank() == 0:
         ref = torch.load(out / "reference.pt", weights_only=True)
