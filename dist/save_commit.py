@@ -22,7 +22,7 @@ from hpckpt.core.commit.rank_local import publish_rank_part
 from hpckpt.core.errors import HpckptError, SaveError
 from hpckpt.core.io.accounting import check_written
 from hpckpt.core.io.memory_source import memory_index
-from hpckpt.core.io.output import Finished
+from hpckpt.core.io.output import Finished, OutputLayout
 from hpckpt.core.io.write import WriteSettings, fill, lay_out
 from hpckpt.dist import manifest_parts
 from hpckpt.dist.coordination import Restarted, Storage, confirm_and_wait
@@ -137,11 +137,17 @@ def _commit(planned: PlannedSave, answers: list[dict]) -> None:
     """The coordinator: every data file there with the size its rank reported, protocol and
     stale files gone, the ranks' manifest parts joined, `.metadata` last: one rename, or for an
     object store the order of `core.commit.object_staging` (the data objects are up already)."""
-    request, staging = planned.request, planned.staging
-    full = planned.global_plan.plan()
-    writer = request.format.writer(request.framework.NAME, planned.global_plan.value_lengths, None)
-    layout = lay_out(replace(full, producing=()), {}, writer)
-    expected = set(writer.expected_files(full))
+    request, staging, gp = planned.request, planned.staging, planned.global_plan
+    writer = request.format.writer(request.framework.NAME, gp.value_lengths, None)
+    from_arrays = getattr(writer, "from_global_plan", None)
+    made = from_arrays(gp) if from_arrays is not None else None
+    if made is not None:  # (thousands of ranks: the plan's arrays, no object per chunk)
+        expected, finished = set(made[0]), made[1]
+        full, layout = gp.plan([]), OutputLayout(())  # what the read-back is checked against: names, dtypes, shapes
+    else:
+        full = gp.plan()
+        layout = lay_out(replace(full, producing=()), {}, writer)
+        expected, finished = set(writer.expected_files(full)), None
     reported = {name: size for a in answers for name, size in a["files"]}
     parts = [manifest_parts.part_name(r) for r in range(len(answers))]
     root = request.path if request.remote else staging.path
@@ -162,7 +168,7 @@ def _commit(planned: PlannedSave, answers: list[dict]) -> None:
     else:
         for name in stale:
             (staging.path / name).unlink()
-    metadata = writer.finish({}).metadata
+    metadata = (finished or writer.finish({})).metadata
     staging.write_metadata(metadata)
     written = request.format.reader().read_index(staging.path)  # the metadata as a loader will read it
     check_written(full, layout, written)

@@ -233,3 +233,33 @@ def test_a_converted_load_goes_through_a_bounded_buffer(tmp_path, monkeypatch):
     assert hdist.load(target, tmp_path / "c").converted == (("w", "bfloat16 -> float32"),)
     assert torch.equal(target["w"], big.float())
     assert reads == [(2, 5)] * 4 + [(1, 5)]
+
+
+def test_a_save_of_many_chunks_commits_from_the_plan_arrays(tmp_path, monkeypatch):
+    """From `COLUMNS_FROM` chunks (thousands of ranks; here the threshold is lowered) the
+    coordinator takes the files and `.metadata` from the plan's arrays: the same data files, a
+    `.metadata` that reads as the stock one, verified and loaded back bit exact."""
+    import hpckpt.converters.hyperparallel.writer as hp_writer
+    from hpckpt.core.safety.unpickle import METADATA, loads
+
+    stock = tmp_path / "stock"
+    hdist.save(_state(), stock, plan_cache=False)
+    calls = []
+    from_arrays = hp_writer.HyperParallelWriter.from_global_plan
+    monkeypatch.setattr(hp_writer, "COLUMNS_FROM", 0)
+    monkeypatch.setattr(hp_writer.HyperParallelWriter, "from_global_plan",
+                        lambda self, gp: calls.append(len(gp.tid)) or from_arrays(self, gp))
+    ckpt = tmp_path / "ckpt"
+    assert hdist.save(_state(), ckpt, plan_cache=False).committed and calls == [5]
+    for name in ("_rank0_.safetensors", "_rank0_.bytes"):
+        assert (ckpt / name).read_bytes() == (stock / name).read_bytes()
+    metadata = [(d / ".metadata").read_bytes() for d in (stock, ckpt)]
+    assert metadata[0] != metadata[1]  # (the columns' encoding)
+    read = [loads(m, what=".metadata", kind=METADATA) for m in metadata]
+    assert read[0].state_dict_metadata == read[1].state_dict_metadata and read[0].storage_data == read[1].storage_data
+    assert read[0].planner_data == read[1].planner_data and read[0].version == read[1].version
+    assert _verify(ckpt).returncode == 0
+    assert_manifest_matches(ckpt)
+    target = _blank()
+    hdist.load(target, ckpt)
+    assert _equal(target, _state())

@@ -110,3 +110,49 @@ def test_a_reshard_written_from_columns_reads_and_verifies(tmp_path, monkeypatch
     assert verified.exit_code == 0, verified.output
     same = runner.invoke(app, ["diff", str(stock), str(fast)])
     assert same.exit_code == 0, same.output
+
+
+def _plan_of_chunks(chunks_per_tensor: int, dedup: str = "balanced"):
+    """A live save's plan from layouts, of more than `COLUMNS_FROM` chunks: FSDP rows over every
+    rank, HSDP replicas, a 0-d tensor every rank holds, values with key paths."""
+    from hpckpt.core.dtypes import dtype
+    from hpckpt.core.geometry.layout_plan import build_layout_plan
+    from hpckpt.core.geometry.plan import PlannedValue
+
+    world = chunks_per_tensor
+    fsdp, hsdp = Mesh((world,)), Mesh((2, world // 2))
+    rows = [(f"layers.{i}.w", dtype("bfloat16"), (world + 3, 4), TensorLayout(fsdp, parse_placements("S0")))
+            for i in range(24)]
+    rows += [("norm", dtype("float32"), (world,), TensorLayout(hsdp, parse_placements("R,S0"))),
+             ("step", dtype("float32"), (), TensorLayout(fsdp, parse_placements("R")))]
+    values = (PlannedValue("opt.lr", 0), PlannedValue("opt.betas", 0), PlannedValue("cfg", 1))
+    return build_layout_plan(rows, world, dedup=dedup, values=values, value_lengths={"opt.lr": 12, "opt.betas": 30,
+                             "cfg": 7}, nesting={"opt.lr": ("opt", "lr"), "cfg": ("cfg",)})
+
+
+@pytest.mark.parametrize("framework,dedup", [("torch", "balanced"), ("mindspore", "none")])
+def test_the_commit_from_the_plan_arrays_writes_the_same_bytes(framework, dedup):
+    """`from_global_plan` (a live save's coordinator at thousands of ranks: no object per chunk)
+    gives the files and the `.metadata` bytes of the Plan path, byte for byte."""
+    gp = _plan_of_chunks(2048, dedup)
+    assert len(gp.tid) >= hp_writer.COLUMNS_FROM
+    writer = hp_writer.HyperParallelWriter(WriterOptions(framework=framework), gp.value_lengths)
+    expected, finished = writer.from_global_plan(gp)
+    full = gp.plan()
+    by_objects = hp_writer.HyperParallelWriter(WriterOptions(framework=framework), gp.value_lengths)
+    by_objects.layout(replace(full, producing=()), {})
+    assert expected == by_objects.expected_files(full)
+    assert finished.metadata == by_objects.finish({}).metadata
+    md = loads(finished.metadata[0][1], what="x", kind=METADATA)
+    assert md.planner_data["opt.lr"] == ("opt", "lr") and md.storage_data and len(md.state_dict_metadata) == 29
+
+
+def test_the_commit_takes_the_plan_path_where_the_arrays_cannot_say_it():
+    small = _plan(dedup="balanced")  # below COLUMNS_FROM: HyperParallel's own pickler's bytes
+    assert hp_writer.HyperParallelWriter(WriterOptions(framework="torch")).from_global_plan(small) is None
+    ragged = _plan("balanced", ragged=True)  # rank 1 holds two chunks of one tensor: renamed keys
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hp_writer, "COLUMNS_FROM", 0)
+        assert hp_writer.HyperParallelWriter(WriterOptions(framework="torch")).from_global_plan(ragged) is None
+        assert hp_writer.HyperParallelWriter(WriterOptions(framework="torch"),
+                                             small.value_lengths).from_global_plan(small) is not None

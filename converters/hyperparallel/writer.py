@@ -150,6 +150,36 @@ class HyperParallelWriter:
                 return Finished(metadata=((METADATA_NAME, data),))
         return Finished(metadata=((METADATA_NAME, dumps_metadata(self.metadata())),))
 
+    def from_global_plan(self, gp) -> tuple[list[str], Finished] | None:
+        """A live save's commit from its `GlobalPlan` arrays, with no object per chunk: the files
+        expected and `.metadata`, the bytes `layout(gp.plan())` and `finish` give. None where
+        that path is needed: fewer than `COLUMNS_FROM` chunks (HyperParallel's own pickler's
+        bytes), a file holding several chunks of one tensor (their keys are renamed), an integer
+        too large for the columns."""
+        n = len(gp.tid)
+        if n < COLUMNS_FROM or np.any(np.diff(gp.tid) < 0):
+            return None
+        bounds = np.searchsorted(gp.tid, np.arange(len(gp.names) + 1))
+        tensors = []
+        for t, (fqn, dt, shape) in enumerate(zip(gp.names, gp.dtypes, gp.shapes)):
+            lo, hi, ndim = int(bounds[t]), int(bounds[t + 1]), len(shape)
+            owners = gp.owner[lo:hi].astype(np.int64)
+            if hi - lo > 1 and np.any(np.diff(np.sort(owners)) == 0):
+                return None
+            tensors.append(TensorColumns(fqn, self._spelling(dt), tuple(shape), gp.offsets[lo:hi, :ndim],
+                                         gp.sizes[lo:hi, :ndim], owners, gp.index[lo:hi].astype(np.int64)))
+        if not fits(tensors):
+            return None
+        self._lengths.update(gp.value_lengths)
+        values = self._value_columns(gp.values)
+        nesting = {fqn: gp.nesting.get(fqn) or tuple(fqn.split(".")) for fqn in gp.names}
+        nesting.update((v.fqn, gp.nesting.get(v.fqn) or tuple(v.fqn.split("."))) for v in gp.values)
+        data = dumps_metadata_columns(tensors, values, [tensor_file(r) for r in range(gp.world_size)],
+                                      planner_data=nesting or None, version=self.version)
+        expected = sorted([tensor_file(int(r)) for r in np.unique(gp.owner)] +
+                          [values_file(r) for r in {v.rank for v in gp.values}])
+        return expected, Finished(metadata=((METADATA_NAME, data),))
+
     def _columns_metadata(self) -> bytes | None:
         """`metadata()` written from columns; None when an integer does not fit their form."""
         plan = self._plan
@@ -172,15 +202,19 @@ class HyperParallelWriter:
                                          keys))
         if not fits(tensors):
             return None
-        values = []
-        for rank in sorted({v.rank for v in plan.values}):
-            position = 0
-            for value in plan.values_of(rank):
-                values.append(ValueColumns(value.fqn, values_file(rank), position, self._lengths[value.fqn]))
-                position += self._lengths[value.fqn]
         files = [tensor_file(r) for r in range(plan.world_size)]
-        return dumps_metadata_columns(tensors, values, files, planner_data=dict(plan.nesting) or None,
-                                      version=self.version)
+        return dumps_metadata_columns(tensors, self._value_columns(plan.values), files,
+                                      planner_data=dict(plan.nesting) or None, version=self.version)
+
+    def _value_columns(self, values) -> list[ValueColumns]:
+        """Each value's place in its rank's values file: ranks in order, values in plan order."""
+        out = []
+        for rank in sorted({v.rank for v in values}):
+            position = 0
+            for value in (v for v in values if v.rank == rank):
+                out.append(ValueColumns(value.fqn, values_file(rank), position, self._lengths[value.fqn]))
+                position += self._lengths[value.fqn]
+        return out
 
     def metadata(self) -> Metadata:
         """The `.metadata` of the whole plan (every rank, also when only some are written)."""
