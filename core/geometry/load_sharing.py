@@ -81,7 +81,6 @@ class _Pattern:
         keep = np.flatnonzero(g.volume > 0)
         self.offsets, self.sizes, self.volume = g.offsets[keep], g.sizes[keep], g.volume[keep]
         self.starts, self.counts, self.holders = g.starts[keep], g.counts[keep], g.holders
-        self.per_rank = np.zeros(0, np.int64)
         self.sets = np.full(len(keep), -1, np.int64)
         for j in np.flatnonzero(self.counts > 1).tolist():
             ranks = tuple(self.holders[self.starts[j]:self.starts[j] + self.counts[j]].tolist())
@@ -92,9 +91,9 @@ class _Pattern:
         at = np.flatnonzero(held == rank)
         self.mine = int(box_of[at[0]]) if len(at) else -1
 
-    def volume_per_rank(self, world: int, boxes: np.ndarray | None = None) -> np.ndarray:
-        """Elements each rank wants of this pattern's boxes (of `boxes` only: a bool mask)."""
-        weights = self.volume[self.box_of] if boxes is None else np.where(boxes[self.box_of], self.volume[self.box_of], 0)
+    def volume_per_rank(self, world: int, boxes: np.ndarray) -> np.ndarray:
+        """Elements each rank wants of this pattern's `boxes` (a mask over them)."""
+        weights = np.where(boxes[self.box_of], self.volume[self.box_of], 0)
         out = np.zeros(world, np.int64)
         np.add.at(out, self.held, weights)
         return out
