@@ -69,6 +69,8 @@ def check_report(document: dict, native: str, *, fsynced: bool) -> None:
         hp = r["hpckpt_load"]
         assert hp["read_amplification"] == 1.0 and hp["job_bytes_read"] == job_bytes
         assert hp["bytes_read"] == r["state_bytes"]
+        # dim 0 over 2 ranks: nothing shared, learnt from the ranks' layouts
+        assert (hp["broadcast"], hp["broadcast_reason"], hp["wants_from"]) == ("read", "nothing shared", "layouts")
         assert r[f"{native}_load"]["job_bytes_read"] >= job_bytes
 
 

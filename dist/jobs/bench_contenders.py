@@ -48,7 +48,8 @@ class Hpckpt:
 
         r = hdist.load(target, dest, progress=self.ctx.progress)
         return {"bytes_read": r.bytes_read, "job_bytes_read": r.job_bytes_read, "job_bytes_wanted": r.job_bytes_wanted,
-                "read_amplification": r.read_amplification, "bytes_broadcast": r.bytes_broadcast}
+                "read_amplification": r.read_amplification, "bytes_broadcast": r.bytes_broadcast,
+                "broadcast": r.broadcast, "broadcast_reason": r.broadcast_reason, "wants_from": r.wants_from}
 
 
 # -- PyTorch DCP ------------------------------------------------------------------------------

@@ -38,7 +38,10 @@ def summary(kind: str, mine: list[dict], job: list[list[dict]], job_state_bytes:
         if "read_amplification" in mine[-1]:  # hpckpt's own count of the bytes it read
             out.update(bytes_read=mine[-1]["bytes_read"], job_bytes_read=last[0]["job_bytes_read"],
                        read_amplification=round(mine[-1]["read_amplification"], 4),
-                       bytes_broadcast=mine[-1]["bytes_broadcast"])
+                       bytes_broadcast=mine[-1]["bytes_broadcast"],
+                       # how the boxes several ranks want were had, and how the ranks learnt which
+                       broadcast=mine[-1]["broadcast"], broadcast_reason=mine[-1]["broadcast_reason"],
+                       wants_from=mine[-1]["wants_from"])
         else:
             out.update(bytes_read=mine[-1]["rchar"], job_bytes_read=job_rchar,
                        read_amplification=out["rchar_amplification"])
