@@ -51,6 +51,18 @@ def world_size(ctx: typer.Context) -> int:
     return ctx.obj["nnodes"] * ctx.obj["nproc_per_node"]
 
 
+def rate(text: str | None, option: str) -> float | None:
+    """Bytes per second from a rate option (`2GiB`, `800MB/s`); None when not given."""
+    if text is None:
+        return None
+    from hpckpt.core.sizes import parse_rate
+
+    try:
+        return parse_rate(text)
+    except ValueError:
+        raise typer.BadParameter(f"{option}: {text!r} is not a rate; give bytes per second, e.g. 2GiB/s") from None
+
+
 def rank_layout(world: int, layout) -> None:
     """The layout of the job's own ranks (a RankLayout): a mesh of exactly the job's world size,
     with placements or rules; placements only with a mesh; layout files alone."""

@@ -15,6 +15,8 @@ from hpckpt.cli.run import checks
 from hpckpt.cli.run.start import start
 
 Coordination = Literal["collectives", "storage", "none"]
+Broadcast = Literal["auto", "always", "never"]
+BROADCAST_SHARED = {"auto": "auto", "always": True, "never": False}  # hpckpt.dist.load's broadcast_shared
 
 
 @handles_errors
@@ -68,11 +70,20 @@ def load(
     layout: RankLayout = RankLayout(),
     check: Annotated[bool, typer.Option("--check", help="Compare every loaded box with the checkpoint's bytes.")] = False,
     strict: Annotated[bool, typer.Option("--strict/--no-strict", help="Fail on a tensor missing from the checkpoint.")] = True,
+    broadcast: Annotated[Broadcast, typer.Option(
+        "--broadcast", help="Boxes several ranks want: read once and broadcast (always), read by each (never), "
+                            "or whichever costs less (auto).")] = "auto",
+    storage_bandwidth: Annotated[Optional[str], typer.Option(
+        "--storage-bandwidth", help="The storage's read rate for --broadcast auto (e.g. 2GiB/s; default: measured).")] = None,
+    network_bandwidth: Annotated[Optional[str], typer.Option(
+        "--network-bandwidth", help="A broadcast's rate over the job for --broadcast auto (e.g. 10GB/s; default: measured).")] = None,
 ) -> None:
     """Load a checkpoint on every rank, each its own boxes of the layout given (default: dim 0 over every rank)."""
     checks.rank_layout(checks.world_size(ctx), layout)
     start(ctx, {"job": "load", "ckpt": checks.absolute(ckpt), **checks.layout_part(layout), "check": check,
-                "strict": strict})
+                "strict": strict, "broadcast_shared": BROADCAST_SHARED[broadcast],
+                "storage_bandwidth": checks.rate(storage_bandwidth, "--storage-bandwidth"),
+                "network_bandwidth": checks.rate(network_bandwidth, "--network-bandwidth")})
 
 
 @handles_errors

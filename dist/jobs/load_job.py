@@ -82,7 +82,9 @@ def run(spec: dict, ctx) -> dict:
     index = open_index(ckpt)
     state, pieces = states.empty_state(index, layout, ctx.rank, ctx.framework)
     ctx.phase(f"loading {ckpt}")
-    result = hdist.load(state, ckpt, strict=spec.get("strict", True), progress=ctx.progress)
+    result = hdist.load(state, ckpt, strict=spec.get("strict", True), progress=ctx.progress,
+                        broadcast_shared=spec.get("broadcast_shared", "auto"),
+                        storage_bandwidth=spec.get("storage_bandwidth"), network_bandwidth=spec.get("network_bandwidth"))
     job_seconds = max(ctx.comm.all_gather_json(result.seconds))  # the job's load ends with its slowest rank
     figures = {"rank": ctx.rank, "format": result.format, "tensors": result.tensors, "values": result.values,
                "bytes_read": result.bytes_read, "bytes_broadcast": result.bytes_broadcast,
@@ -93,7 +95,8 @@ def run(spec: dict, ctx) -> dict:
                "missing": list(result.missing), "converted": [list(c) for c in result.converted],
                # boxes several ranks want: read by each or broadcast, and the figures behind the choice
                "wants_from": result.wants_from, "broadcast": result.broadcast, "broadcast_reason": result.broadcast_reason,
-               "storage_bandwidth": result.storage_bandwidth, "network_bandwidth": result.network_bandwidth}
+               "storage_bandwidth": result.storage_bandwidth, "storage_bandwidth_from": result.storage_bandwidth_from,
+               "network_bandwidth": result.network_bandwidth, "network_bandwidth_from": result.network_bandwidth_from}
     if spec.get("check"):
         ctx.phase("checking every loaded box")
         figures.update(check(ckpt, state, pieces, fw, ctx.rank))
