@@ -114,7 +114,12 @@ def test_specs_carry_every_option_with_unset_ones_null(tmp_path):
                     "split": "balanced", "coordination": "storage", "async": True, "force": False, "fail_rank": None}
     _, _, load = dry_run("--nproc-per-node", 2, "load", tmp_path / "ck", "--check", "--no-strict")
     assert load == {"job": "load", "ckpt": str(tmp_path / "ck"), "mesh": None, "placements": None, "rules": None,
-                    "layout_files": None, "split": "balanced", "check": True, "strict": False}
+                    "layout_files": None, "split": "balanced", "check": True, "strict": False,
+                    "broadcast_shared": "auto", "storage_bandwidth": None, "network_bandwidth": None}
+    for given, want in (("always", True), ("never", False)):
+        _, _, load = dry_run("--nproc-per-node", 2, "load", tmp_path / "ck", "--broadcast", given,
+                             "--storage-bandwidth", "2GiB/s", "--network-bandwidth", "1000")
+        assert (load["broadcast_shared"], load["storage_bandwidth"], load["network_bandwidth"]) == (want, 2**31, 1000)
     _, _, bench = dry_run("bench", "--from", tmp_path / "ck", "--rounds", 2)
     assert bench == {"job": "bench", "size": None, "from": str(tmp_path / "ck"), "dtype": None, "mesh": None,
                      "placements": None, "rules": None, "split": "balanced", "rounds": 2, "out": None}
