@@ -87,9 +87,9 @@ def test_readers_of_loads_too_large_to_pack_with_the_rank():
     p = _Pattern(layout, (8, 2), "w", 5, {})
     run = _Run(p, np.arange(4))
     load = np.array([5, 3, 3, 9, 0, 7, 7, 1, 2, 2, 6, 4], np.int64)
-    want = run.readers(load)
+    want = run.choose(load)
     assert want.tolist() == [4, 9, 2, 7]  # box j is held by j, j + 4, j + 8: the least load, then the lowest rank
-    assert run.readers(load + (1 << 61)).tolist() == want.tolist()
+    assert run.choose(load + (1 << 61)).tolist() == want.tolist()
     for level in (7, 1 << 61):  # all equal: the lowest rank of each box
-        assert run.readers(np.full(12, level, np.int64)).tolist() == [0, 1, 2, 3]
+        assert run.choose(np.full(12, level, np.int64)).tolist() == [0, 1, 2, 3]
     assert run.mine == 1 and p.mine == 1

@@ -156,8 +156,7 @@ class HyperParallelWriter:
         that path is needed: fewer than `COLUMNS_FROM` chunks (HyperParallel's own pickler's
         bytes), a file holding several chunks of one tensor (their keys are renamed), an integer
         too large for the columns."""
-        n = len(gp.tid)
-        if n < COLUMNS_FROM or np.any(np.diff(gp.tid) < 0):
+        if len(gp.tid) < COLUMNS_FROM or np.any(np.diff(gp.tid) < 0):
             return None
         bounds = np.searchsorted(gp.tid, np.arange(len(gp.names) + 1))
         tensors = []
@@ -172,10 +171,8 @@ class HyperParallelWriter:
             return None
         self._lengths.update(gp.value_lengths)
         values = self._value_columns(gp.values)
-        nesting = {fqn: gp.nesting.get(fqn) or tuple(fqn.split(".")) for fqn in gp.names}
-        nesting.update((v.fqn, gp.nesting.get(v.fqn) or tuple(v.fqn.split("."))) for v in gp.values)
         data = dumps_metadata_columns(tensors, values, [tensor_file(r) for r in range(gp.world_size)],
-                                      planner_data=nesting or None, version=self.version)
+                                      planner_data=gp.key_paths() or None, version=self.version)
         expected = sorted([tensor_file(int(r)) for r in np.unique(gp.owner)] +
                           [values_file(r) for r in {v.rank for v in gp.values}])
         return expected, Finished(metadata=((METADATA_NAME, data),))

@@ -127,12 +127,16 @@ class GlobalPlan:
             per_tensor[t].append(PlannedBox(Box(tuple(o[:n]), tuple(z[:n])), r, i))
         tensors = tuple(PlannedTensor(fqn, shape, dt, dt, tuple(boxes))
                         for fqn, shape, dt, boxes in zip(self.names, self.shapes, self.dtypes, per_tensor))
-        nesting = {}
-        if ranks is None:
-            nesting = {fqn: self.nesting.get(fqn) or tuple(fqn.split(".")) for fqn in self.names}
-            nesting.update((v.fqn, self.nesting.get(v.fqn) or tuple(v.fqn.split("."))) for v in self.values)
+        nesting = self.key_paths() if ranks is None else {}
         producing = tuple(range(self.world_size)) if ranks is None else tuple(sorted(set(ranks)))
         return Plan(self.world_size, tensors, self.values, producing, nesting)
+
+    def key_paths(self) -> dict[str, tuple]:
+        """Every tensor's and value's key path (the name split at its dots unless given), in
+        metadata order: what `.metadata` keeps as planner data."""
+        paths = {fqn: self.nesting.get(fqn) or tuple(fqn.split(".")) for fqn in self.names}
+        paths.update((v.fqn, self.nesting.get(v.fqn) or tuple(v.fqn.split("."))) for v in self.values)
+        return paths
 
 
 def plan_key(digests: Sequence[str], options: dict) -> str:

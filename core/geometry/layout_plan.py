@@ -134,18 +134,28 @@ def distinct_boxes(layout: TensorLayout, shape: tuple[int, ...], name: str) -> D
     return DistinctBoxes(g_off, g_size, volume, holders, starts, counts)
 
 
-def least_loaded_at_once(load: np.ndarray, groups: DistinctBoxes, which: np.ndarray) -> np.ndarray:
-    """For boxes `which` of one tensor (their holders are disjoint): each one's least-loaded holder,
-    the lowest rank of equals, which is the one-by-one greedy's choice."""
-    starts, counts = groups.starts[which], groups.counts[which]
-    segment = np.repeat(np.arange(len(which)), counts)
-    held = groups.holders[members(starts, counts)]
-    loads = load[held]
-    least = np.minimum.reduceat(loads, np.cumsum(counts) - counts)
-    at_least = np.flatnonzero(loads == least[segment])
-    first = np.ones(len(at_least), bool)
-    first[1:] = segment[at_least][1:] != segment[at_least][:-1]
-    return held[at_least[first]]
+class HolderRun:
+    """Boxes `which` of one tensor whose holders are disjoint (a rank holds one box of a tensor),
+    each given at once to its least-loaded holder, the lowest rank of equals: the one-by-one
+    greedy's choice. The holders are gathered once, so a run can be chosen again for other
+    loads (the load's tensors that share a layout)."""
+
+    def __init__(self, groups: DistinctBoxes, which: np.ndarray):
+        counts = groups.counts[which]
+        self.held = groups.holders[members(groups.starts[which], counts)]
+        self.first = np.cumsum(counts) - counts
+
+    def choose(self, load: np.ndarray) -> np.ndarray:
+        loads = load[self.held]
+        world = len(load)
+        if int(loads.max()) < (1 << 62) // world:  # (load, rank) in one integer: one reduction
+            return np.minimum.reduceat(loads * world + self.held, self.first) % world
+        least = np.minimum.reduceat(loads, self.first)
+        segment = np.repeat(np.arange(len(self.first)), np.diff(np.append(self.first, len(loads))))
+        at = np.flatnonzero(loads == least[segment])
+        keep = np.ones(len(at), bool)
+        keep[1:] = segment[at][1:] != segment[at][:-1]
+        return self.held[at[keep]]
 
 
 def build_layout_plan(tensors: Sequence[tuple[str, DType, tuple[int, ...], TensorLayout]], world_size: int, *,
@@ -205,7 +215,7 @@ def _owners(per_tensor: list[DistinctBoxes], nbytes: list[np.ndarray], dedup: st
                 shared_runs.append((-int(size[run[0]]), t, int(g.holders[g.starts[run[0]]]), run))
     shared_runs.sort(key=lambda r: r[:3])
     for _neg, t, _first, run in shared_runs:
-        chosen = least_loaded_at_once(load, per_tensor[t], run)
+        chosen = HolderRun(per_tensor[t], run).choose(load)
         owners[t][run] = chosen
         load[chosen] += nbytes[t][run]  # (distinct holders: no two boxes add to one rank here)
     return owners

@@ -28,7 +28,7 @@ import numpy as np
 from hpckpt.core.geometry.assign import least_loaded
 from hpckpt.core.geometry.global_plan import members
 from hpckpt.core.geometry.layout import TensorLayout
-from hpckpt.core.geometry.layout_plan import distinct_boxes
+from hpckpt.core.geometry.layout_plan import HolderRun, distinct_boxes
 
 BoxKey = tuple[str, tuple[int, ...], tuple[int, ...]]  # (fqn, offsets, sizes)
 Holders = tuple[int, ...]
@@ -147,7 +147,7 @@ class LayoutWants:
         runs.sort(key=lambda run: run[:2])
         found: dict[BoxKey, tuple[Holders, int]] = {}
         for neg, fqn, r, run in runs:
-            readers = run.readers(load)
+            readers = run.choose(load)
             load[readers] += -neg
             p = self._rows[r][1]
             if run.mine >= 0:
@@ -157,29 +157,12 @@ class LayoutWants:
         return found
 
 
-class _Run:
-    """Boxes of one pattern and size whose holders are disjoint (a rank wants one box of a
-    tensor), each given at once to its least-loaded holder (the lowest rank of equals), which is
-    what `least_loaded` gives taking them one by one. Its holders are gathered once per pattern:
-    only the loads differ between the tensors that share it."""
+class _Run(HolderRun):
+    """A `HolderRun` of one pattern's broadcast boxes of one size, with their size and where
+    this rank's box is in it (-1: not there)."""
 
     def __init__(self, p: _Pattern, boxes: np.ndarray):
+        super().__init__(p, boxes)
         self.volume = int(p.volume[boxes[0]])
-        counts = p.counts[boxes]
-        self.held = p.holders[members(p.starts[boxes], counts)]
-        self.first = np.cumsum(counts) - counts
         at = np.flatnonzero(boxes == p.mine)
-        self.mine = int(at[0]) if len(at) else -1  # this rank's box's place in the run
-
-    def readers(self, load: np.ndarray) -> np.ndarray:
-        loads = load[self.held]
-        world = len(load)
-        if int(loads.max()) < (1 << 62) // world:  # (load, rank) in one integer: one reduction
-            return np.minimum.reduceat(loads * world + self.held, self.first) % world
-        least = np.minimum.reduceat(loads, self.first)
-        segment = np.repeat(np.arange(len(self.first)), np.diff(np.append(self.first, len(loads))))
-        at = np.flatnonzero(loads == least[segment])
-        keep = np.ones(len(at), bool)
-        keep[1:] = segment[at][1:] != segment[at][:-1]
-        return self.held[at[keep]]
-
+        self.mine = int(at[0]) if len(at) else -1
