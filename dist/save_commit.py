@@ -24,6 +24,7 @@ from hpckpt.core.io.accounting import check_written
 from hpckpt.core.io.memory_source import memory_index
 from hpckpt.core.io.output import Finished, OutputLayout
 from hpckpt.core.io.write import WriteSettings, fill, lay_out
+from hpckpt.core.safety.unpickle import reading_own_output
 from hpckpt.dist import manifest_parts
 from hpckpt.dist.coordination import Restarted, Storage, confirm_and_wait
 from hpckpt.dist.results import SaveResult
@@ -170,7 +171,8 @@ def _commit(planned: PlannedSave, answers: list[dict]) -> None:
             (staging.path / name).unlink()
     metadata = (finished or writer.finish({})).metadata
     staging.write_metadata(metadata)
-    written = request.format.reader().read_index(staging.path)  # the metadata as a loader will read it
+    with reading_own_output():
+        written = request.format.reader().read_index(staging.path)  # the metadata as a loader will read it
     check_written(full, layout, written)
     files = [tuple(d) for a in answers for d in a.get("digests") or ()]
     manifest_parts.write_manifest(staging.path, format_name=request.format.name, world_size=request.job.world_size,

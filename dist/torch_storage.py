@@ -58,6 +58,7 @@ from hpckpt.core.geometry.plan import PlannedValue, plan_as_given
 from hpckpt.core.io.memory_source import MemoryTensor, memory_index
 from hpckpt.core.io.read import OpenFiles, read_box
 from hpckpt.core.io.write import WriteSettings, fill, lay_out
+from hpckpt.core.safety.unpickle import reading_own_output
 from hpckpt.dist import manifest_parts
 from hpckpt.dist.frameworks import torch_tensors
 
@@ -247,7 +248,8 @@ class HpckptWriter(StorageWriter):
                 raise HpckptError(f"{name}: missing from the staging directory; nothing was committed")
         data = pickle.dumps(metadata, protocol=4)
         self.staging.write_metadata(((".metadata", data),))
-        written = TorchDcpReader().read_index(staging)  # as a loader will read it
+        with reading_own_output():
+            written = TorchDcpReader().read_index(staging)  # as a loader will read it
         manifest_parts.write_manifest(staging, format_name="torch-dcp", world_size=len(results),
                                       files=manifest_parts.read_summaries(staging, len(results)),
                                       metadata=((".metadata", data),), written=written)

@@ -128,6 +128,37 @@ def test_refusals_name_the_budget_and_the_setting():
         loads(VALUE_PICKLES["deep-lists"], what="x")
 
 
+def test_only_a_write_s_read_back_of_its_own_output_skips_the_opcode_scan(tmp_path, monkeypatch):
+    """The memo-index scan guards every load of a file hpckpt did not just write; a write's
+    read-back of its own staged metadata skips it (it costs a save's commit 0.05-0.1 s), and the
+    skip ends with the read-back, also when the read-back fails."""
+    from hpckpt import api
+    from hpckpt.converters import open_index
+    from hpckpt.core.geometry.layout import LayoutSpec
+    from hpckpt.core.safety import pickle_scan
+    from hpckpt.core.safety.unpickle import reading_own_output
+
+    beyond_scan = b"\x80\x02Nr" + (2**21).to_bytes(4, "little") + b"."  # refused by the scan; a 64 MiB memo
+    with reading_own_output():
+        assert loads(beyond_scan, what="x") is None
+    with pytest.raises(UnsafePickleError, match="memo index"):
+        loads(beyond_scan, what="x")
+    with pytest.raises(ZeroDivisionError), reading_own_output():
+        raise ZeroDivisionError
+    with pytest.raises(UnsafePickleError, match="memo index"):
+        loads(beyond_scan, what="x")
+
+    scanned = []
+    real = pickle_scan._scan_opcodes
+    monkeypatch.setattr(pickle_scan, "_scan_opcodes", lambda data, *a: (scanned.append(bytes(data)), real(data, *a)))
+    source = Path(__file__).resolve().parents[1] / "examples" / "tiny-hp"
+    api.reshard(source, tmp_path / "out", LayoutSpec.for_world_size(3))
+    written = (tmp_path / "out" / ".metadata").read_bytes()
+    assert (source / ".metadata").read_bytes() in scanned and written not in scanned  # the source's, not the output's
+    open_index(tmp_path / "out")
+    assert written in scanned  # a later reader's is scanned
+
+
 def test_what_pickle_itself_writes_still_loads():
     plain = {"a": [1, 2.5, "x", b"y", None, True], "t": (1, (2, 3)), "s": {1, 2}, "f": frozenset({3}),
              "r": range(10), "c": complex(1, 2), "o": OrderedDict(k=1), "ba": bytearray(b"z"),

@@ -23,6 +23,7 @@ from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.io import engine
 from hpckpt.core.io.accounting import check_layout, check_written
 from hpckpt.core.io.output import Finished, OutputLayout
+from hpckpt.core.safety.unpickle import reading_own_output
 from hpckpt.core.storage.object_path import is_object
 from hpckpt.core.storage.urls import as_path
 
@@ -191,7 +192,8 @@ def _write_staged(plan, layout, source, writer, dest, settings, file_output, rea
         staging.write_metadata(finished.metadata)
         written = None
         if read_back is not None:  # the staged output, read as the format's reader reads it
-            written = read_back(staging.path / dest.name if file_output else staging.path)
+            with reading_own_output():
+                written = read_back(staging.path / dest.name if file_output else staging.path)
             check_written(plan, layout, written)
         extra = ()
         if fields is not None and settings.manifest:

@@ -24,7 +24,8 @@ import gc
 import io
 import pickle
 import threading
-from typing import Any, BinaryIO, Callable
+from contextvars import ContextVar
+from typing import Any, BinaryIO, Callable, Iterator
 
 
 from hpckpt.core.codecs.torch_records import BytesIOState, without_bytes_io
@@ -155,7 +156,8 @@ class SafeUnpickler(pickle.Unpickler):
         self.saw_bytes_io = False
 
     def load(self) -> Any:
-        _scan(self._file, self._nbytes)
+        if not _OWN_OUTPUT.get():
+            _scan(self._file, self._nbytes)
         ledger = Allocations(current_budget().alloc_limit(self._nbytes))
         result = _load_on_big_stack(lambda: run_charging(ledger, super(SafeUnpickler, self).load), self._nbytes)
         if self._kind == VALUE:
@@ -181,6 +183,23 @@ class SafeUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafePickleError(f"refusing persistent id {type(pid).__name__} outside a torch.save archive")
+
+
+_OWN_OUTPUT: ContextVar[bool] = ContextVar("hpckpt_own_output", default=False)
+
+
+@contextlib.contextmanager
+def reading_own_output() -> Iterator[None]:
+    """Within: the metadata read is what this process has just written into its own staging
+    directory (a write's read-back, which proves that what is committed loads). The opcode
+    pre-scan is skipped there: it guards the C unpickler's allocations against a hostile file,
+    at ~60 ns an opcode in Python (0.05-0.1 s of a save's commit for a 1 MiB `.metadata`, on
+    every rank's critical path); the allow-list and the budgets still apply."""
+    token = _OWN_OUTPUT.set(True)
+    try:
+        yield
+    finally:
+        _OWN_OUTPUT.reset(token)
 
 
 FREEZE_ABOVE_BYTES = 4 * 1024 * 1024
