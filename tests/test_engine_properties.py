@@ -253,6 +253,40 @@ def test_chunk_finder_on_arbitrary_overlapping_boxes(shape, n, data):
         assert got == brute_force(chunks, box), box
 
 
+@settings(max_examples=150, deadline=None)
+@given(shape=st.lists(st.integers(0, 6), min_size=0, max_size=3).map(tuple), n=st.integers(1, 4), data=st.data())
+def test_a_tensor_of_one_chunk_gets_the_pieces_the_vectorised_pass_gives(shape, n, data):
+    """`engine.source_pieces` takes a shortcut for a tensor stored as one chunk holding every
+    wanted box (a live save's usual tensor): the same pieces as the vectorised pass, and where
+    a box reaches outside the chunk, the same error."""
+    from hpckpt.core import errors
+    from hpckpt.core.geometry.plan import PlannedBox, PlannedTensor
+    from hpckpt.core.index import CheckpointIndex, TensorEntry
+    from hpckpt.core.io import engine
+
+    f32 = dtypes.dtype("float32")
+    chunk = Chunk(data.draw(query_boxes(shape)) if data.draw(st.booleans()) else Box((0,) * len(shape), shape), "f", "k")
+    inside = data.draw(st.booleans())
+    boxes = [data.draw(query_boxes(chunk.box.sizes if inside else shape)) for _ in range(n)]
+    if inside:  # (drawn within the chunk's sizes: moved to its start)
+        boxes = [Box(tuple(o + c for o, c in zip(b.offsets, chunk.box.offsets)), b.sizes) for b in boxes]
+    tensor = PlannedTensor("t", shape, f32, f32, tuple(PlannedBox(b, 0, i) for i, b in enumerate(boxes)))
+    placements = [SimpleNamespace(tensor=tensor, box=pb) for pb in tensor.boxes]
+    index = CheckpointIndex(Path("."), "memory", "", None, {"t": TensorEntry("t", f32, shape, [chunk])}, {}, [], None)
+
+    def pieces():
+        try:
+            found = engine.source_pieces(index, placements)
+        except errors.GeometryError as exc:
+            return type(exc)
+        return [[(c.key, region) for c, region in found[id(p)]] for p in placements]
+
+    shortcut = pieces()
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(engine, "_held_by_its_one_chunk", lambda *a: False)
+        assert shortcut == pieces(), (chunk.box, boxes)
+
+
 def test_chunk_finder_scalar():
     chunks = [Chunk(Box((), ()), "_rank1_.safetensors", "s"), Chunk(Box((), ()), "_rank2_.safetensors", "s")]
     pieces = ChunkFinder(chunks).overlapping(Box((), ()))
