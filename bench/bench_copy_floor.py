@@ -33,6 +33,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,13 +43,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def run(cmd: list[str]) -> tuple[float, float]:
     """(wall, CPU) seconds of `cmd`, its children included."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HPCKPT_NO_CACHE="1")
-    started = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=str(ROOT))
-    _pid, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - started
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"failed: {' '.join(cmd)}\n{proc.stderr.read().decode(errors='replace')[-2000:]}")
-    proc.stderr.close()
+    with tempfile.TemporaryFile() as err:  # (a pipe read only after the exit could fill and stall it)
+        started = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=str(ROOT))
+        _pid, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - started
+        if os.waitstatus_to_exitcode(status) != 0:
+            err.seek(0)
+            sys.exit(f"failed: {' '.join(cmd)}\n{err.read().decode(errors='replace')[-2000:]}")
     return wall, usage.ru_utime + usage.ru_stime
 
 

@@ -85,15 +85,9 @@ def _held_by_its_one_chunk(entry: TensorEntry, group: list[Placement], out: dict
     CPU before writing). Anything else (a box reaching outside the chunk, a chunk outside the
     tensor) goes through that pass, which checks and reports it."""
     chunk = entry.chunks[0]
-    start, size = chunk.box.offsets, chunk.box.sizes
-    if len(start) != len(entry.shape) or any(o < 0 or o + n > s for o, n, s in zip(start, size, entry.shape)):
+    if not chunk.box.inside(entry.shape) or not all(p.box.box.relative_to(chunk.box).inside(chunk.box.sizes)
+                                                    for p in group):
         return False
-    end = chunk.box.ends
-    for p in group:
-        box = p.box.box
-        if len(box.offsets) != len(start) or any(o < b or o + n > e for o, n, b, e in
-                                                 zip(box.offsets, box.sizes, start, end)):
-            return False
     for p in group:
         out[id(p)] = [(chunk, p.box.box)] if p.box.box.volume else []
     return True
