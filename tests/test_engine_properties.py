@@ -258,18 +258,36 @@ def test_chunk_finder_on_arbitrary_overlapping_boxes(shape, n, data):
 def test_a_tensor_of_one_chunk_gets_the_pieces_the_vectorised_pass_gives(shape, n, data):
     """`engine.source_pieces` takes a shortcut for a tensor stored as one chunk holding every
     wanted box (a live save's usual tensor): the same pieces as the vectorised pass, and where
-    a box reaches outside the chunk, the same error."""
+    a box reaches outside the chunk (one of several, too), the same error."""
+    chunk = data.draw(query_boxes(shape)) if data.draw(st.booleans()) else Box((0,) * len(shape), shape)
+    boxes = []
+    for _ in range(n):  # each inside the chunk (drawn in its sizes, moved to its start) or anywhere
+        if data.draw(st.booleans()):
+            b = data.draw(query_boxes(chunk.sizes))
+            boxes.append(Box(tuple(o + c for o, c in zip(b.offsets, chunk.offsets)), b.sizes))
+        else:
+            boxes.append(data.draw(query_boxes(shape)))
+    shortcut, vectorised = _one_chunk_pieces_both_ways(shape, chunk, boxes)
+    assert shortcut == vectorised, (chunk, boxes)
+
+
+def test_one_chunk_and_a_box_past_its_end_is_the_vectorised_pass_s_error():
+    from hpckpt.core import errors
+
+    shortcut, vectorised = _one_chunk_pieces_both_ways((4,), Box((0,), (2,)), [Box((0,), (1,)), Box((2,), (2,))])
+    assert shortcut == vectorised == errors.GeometryError
+
+
+def _one_chunk_pieces_both_ways(shape, chunk_box, boxes):
+    """`engine.source_pieces` of `boxes` from one stored chunk: as it is, and with its one-chunk
+    shortcut off (the vectorised pass); each the pieces per box, or the GeometryError's type."""
     from hpckpt.core import errors
     from hpckpt.core.geometry.plan import PlannedBox, PlannedTensor
     from hpckpt.core.index import CheckpointIndex, TensorEntry
     from hpckpt.core.io import engine
 
     f32 = dtypes.dtype("float32")
-    chunk = Chunk(data.draw(query_boxes(shape)) if data.draw(st.booleans()) else Box((0,) * len(shape), shape), "f", "k")
-    inside = data.draw(st.booleans())
-    boxes = [data.draw(query_boxes(chunk.box.sizes if inside else shape)) for _ in range(n)]
-    if inside:  # (drawn within the chunk's sizes: moved to its start)
-        boxes = [Box(tuple(o + c for o, c in zip(b.offsets, chunk.box.offsets)), b.sizes) for b in boxes]
+    chunk = Chunk(chunk_box, "f", "k")
     tensor = PlannedTensor("t", shape, f32, f32, tuple(PlannedBox(b, 0, i) for i, b in enumerate(boxes)))
     placements = [SimpleNamespace(tensor=tensor, box=pb) for pb in tensor.boxes]
     index = CheckpointIndex(Path("."), "memory", "", None, {"t": TensorEntry("t", f32, shape, [chunk])}, {}, [], None)
@@ -284,7 +302,7 @@ def test_a_tensor_of_one_chunk_gets_the_pieces_the_vectorised_pass_gives(shape, 
     shortcut = pieces()
     with pytest.MonkeyPatch.context() as patched:
         patched.setattr(engine, "_held_by_its_one_chunk", lambda *a: False)
-        assert shortcut == pieces(), (chunk.box, boxes)
+        return shortcut, pieces()
 
 
 def test_chunk_finder_scalar():
