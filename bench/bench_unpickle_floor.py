@@ -12,12 +12,17 @@ peak RSS is its own), best of `--repeat`:
                  loader included (it also runs the stock unpickler, with the collector on);
   pickle.loads, collector on   the same with the collector on, as the stock `pickle.load` runs;
   safe loads     hpckpt's `core.safety.unpickle.loads` (allow-list, budgets, the opcode scan);
-  read_index     the whole metadata read: the safe load, the schema checks, the index;
+  read_columns   `core.codecs.hyperparallel_metadata_columns_read.read_columns`: the
+                 recogniser of the form hpckpt writes at scale, arrays instead of objects
+                 (a checkpoint in another form fails this step: its `.metadata` is not one);
+  read_index     the whole metadata read: the recogniser or the safe load, the schema checks,
+                 the index;
   inspect        `hpckpt inspect CKPT --json`, a whole process, `HPCKPT_NO_CACHE=1`.
 
-Each row gives seconds, peak RSS and the cost per chunk. Reaching a cold `inspect` under 1 s and
-300 MiB needs a reader that does not build these objects (a columnar pass over the opcodes). What
-such a pass would cost in Python is printed last: the opcodes in the first `--sample-mib` MiB
+Each row gives seconds, peak RSS and the cost per chunk. A cold `inspect` under 1 s and 300 MiB
+needs a reader that does not build these objects: `read_columns` for the form hpckpt writes; for
+another writer's pickle it would be a columnar pass over the opcodes. What such a pass would cost
+in Python is printed last: the opcodes in the first `--sample-mib` MiB
 (`pickletools.genops`), scaled to the file, and the time of the leanest loop that only steps over
 them (a table of argument lengths; nothing kept) over that sample.
 """
@@ -53,6 +58,11 @@ t = time.perf_counter(); Plain(io.BytesIO(data)).load(); seconds = time.perf_cou
 from hpckpt.core.safety.unpickle import METADATA, loads
 t = time.perf_counter(); loads(data, what="bench", kind=METADATA); seconds = time.perf_counter() - t
 """,
+    "read_columns": """
+from hpckpt.core.codecs.hyperparallel_metadata_columns_read import read_columns
+t = time.perf_counter(); got = read_columns(data); seconds = time.perf_counter() - t
+assert got is not None, "not the columns writer's form: read_columns gave None"
+""",
     "read_index": """
 from hpckpt.converters import open_index
 t = time.perf_counter(); open_index(ckpt); seconds = time.perf_counter() - t
@@ -78,7 +88,7 @@ def run_inspect(ckpt: str) -> tuple[float, float]:
 
 
 # opcode -> bytes of its argument, for the opcodes a HyperParallel metadata pickle uses
-_FIXED = {**dict.fromkeys(b")\x81}(ub\x86\x85\x87e]tN\x88\x89\x93.sa\x94", 0), ord("K"): 1, ord("h"): 1, ord("q"): 1,
+_FIXED = {**dict.fromkeys(b")\x81}(ub\x86\x85\x87e]tN\x88\x89\x93.sa\x941", 0), ord("K"): 1, ord("h"): 1, ord("q"): 1,
           ord("M"): 2, ord("J"): 4, ord("j"): 4, ord("r"): 4, ord("G"): 8, 0x80: 1, 0x95: 8}
 
 
@@ -108,6 +118,8 @@ def opcode_walk(path: str, sample_mib: float) -> tuple[int, float, float]:
             i += 1 + data[i]
         elif op == ord("X"):  # BINUNICODE: a four-byte length
             i += 4 + int.from_bytes(data[i:i + 4], "little")
+        elif op == ord("c"):  # GLOBAL: two lines
+            i = data.index(b"\n", data.index(b"\n", i) + 1) + 1
         else:
             raise SystemExit(f"opcode {op:#x} at {i - 1}: not in the walk's table")
     seconds = time.perf_counter() - started

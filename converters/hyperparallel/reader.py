@@ -24,6 +24,7 @@ from hpckpt.core.codecs.hyperparallel_metadata import (
     check_hp_metadata,
     check_shared_starts,
 )
+from hpckpt.core.codecs.hyperparallel_metadata_columns_read import ColumnsMetadata, TensorRecords, read_columns
 from hpckpt.core.codecs.metadata_schema import bad_chunk, check_ints, check_shape, dtype_spelling, guarded, storage_paths
 from hpckpt.core.commit import manifest
 from hpckpt.core.errors import CorruptMetadataError, UnknownFormatError, UnsafePathError
@@ -79,10 +80,16 @@ def rank_local(root: Path) -> list[tuple[int, str]]:
     return sorted(ranked)
 
 
-def _read_pickle(root: Path, name: str) -> Metadata:
+def _read_bytes(root: Path, name: str) -> bytes:
     data = input_files.read_small(root / name, "metadata file", input_files.metadata_limit())
     if not data:
         raise CorruptMetadataError(f"{root / name}: empty metadata file")
+    return data
+
+
+def _read_pickle(root: Path, name: str, data: bytes | None = None) -> Metadata:
+    if data is None:
+        data = _read_bytes(root, name)
     metadata = loads(data, what=str(root / name), kind=METADATA)
     if not isinstance(metadata, Metadata):  # before its fields are looked at
         raise CorruptMetadataError(f"{root / name}: pickle holds {type(metadata).__name__}, not a HyperParallel "
@@ -150,10 +157,20 @@ class HyperParallelReader:
         legacy = False
         for name in names:
             legacy |= _LEGACY_PREFIX.encode() in sniff_head(path / name)
-            metadata = _read_pickle(path, name)
+            data = _read_bytes(path, name)
+            columns = read_columns(data)
+            if columns is not None:  # hpckpt's own fixed-width form: arrays, no object per chunk
+                metadata = Metadata({}, planner_data=columns.planner_data, storage_data={}, version=columns.version)
+                check_hp_metadata(metadata, len(data), str(path / name))
+                source: _Source | _ColumnSource = _ColumnSource(columns, name)
+                files.update(columns.data_files())
+            else:
+                metadata = _read_pickle(path, name, data)
+                source = _Source(metadata, name)
+                files.update(storage_paths(metadata.storage_data, name))
+            del data
             versions.add(metadata_version(metadata))
-            _Source(metadata, name).merge_into(tensors, values, replicas)
-            files.update(storage_paths(metadata.storage_data, name))
+            source.merge_into(tensors, values, replicas)
             if isinstance(metadata.planner_data, dict):
                 planner_data.update(metadata.planner_data)
         data_files = sorted(files)
@@ -300,6 +317,58 @@ class _Source:
                     replicas.append(entry)  # another rank's copy: read by that rank's loader, checked by verify
             else:
                 raise CorruptMetadataError(f"{self.name}: entry {fqn} has unexpected type {type(item).__name__}")
+
+
+class _ColumnSource:
+    """One metadata file read by `read_columns`: each tensor's chunks are arrays already."""
+
+    def __init__(self, columns: ColumnsMetadata, name: str):
+        self.columns = columns
+        self.name = name
+
+    def chunks(self, t: TensorRecords) -> list[Chunk]:
+        keys = self.columns.strings[t.keys].tolist()
+        built = [Chunk(Box(tuple(o), tuple(z)), file, key or t.fqn) for o, z, file, key in
+                 zip(t.offsets.tolist(), t.sizes.tolist(), self.columns.chunk_files(t), keys)]
+        if len(built) > 1:
+            check_shared_starts([c.box for c in built], f"{self.name}: tensor {t.fqn}")
+        return built
+
+    def merge_into(self, tensors: dict[str, TensorEntry], values: dict[str, ValueEntry],
+                   replicas: list[ValueEntry] | None = None) -> None:
+        for t in self.columns.tensors:
+            where = f"{self.name}: tensor {t.fqn}"
+            try:
+                dtype = dtypes.dtype(t.dtype)
+            except UnknownFormatError as exc:
+                raise UnknownFormatError(f"{where}: {exc.message}") from None
+            shape = check_shape(t.shape, dtype.itemsize, where)
+            build = functools.partial(self.chunks, t)
+            entry = tensors.get(t.fqn)
+            if entry is None:
+                tensors[t.fqn] = TensorEntry(t.fqn, dtype, shape, None, t.dtype, build=build, n_chunks=len(t.offsets),
+                                             build_arrays=functools.partial(_pair, t.offsets, t.sizes),
+                                             build_files=functools.partial(self.columns.chunk_files, t))
+            elif entry.dtype != dtype or entry.shape != shape:
+                raise CorruptMetadataError(f"{self.name}: tensor {t.fqn} is {dtype}{list(shape)} here but "
+                                           f"{entry.dtype}{list(entry.shape)} in another metadata file")
+            else:
+                entry._build = _concat(entry._build, build)
+                entry._build_arrays = entry._build_files = None
+                entry.n_chunks += len(t.offsets)
+        stored = {v.fqn: v for v in self.columns.value_storage}
+        for fqn in self.columns.values:
+            info = stored.get(fqn)
+            if info is None:
+                raise CorruptMetadataError(f"{self.name}: value {fqn} has no storage_data entry")
+            offset, length = check_ints((info.offset, info.length), f"{self.name}: value {fqn}: byte range")
+            entry = ValueEntry(fqn, info.file, offset, length)
+            if values.setdefault(fqn, entry) is not entry and replicas is not None:
+                replicas.append(entry)
+
+
+def _pair(offsets: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return offsets, sizes
 
 
 def _ints(values) -> tuple[int, ...]:
