@@ -190,3 +190,38 @@ def test_thousands_of_ranks():
     assert sum(len(t.boxes) for t in plan.tensors) == 20 * world + 30
     owners = {t.boxes[0].rank for t in plan.tensors if t.fqn.startswith("n")}
     assert len(owners) == 30  # each replicated tensor on its own rank: the loads were equal
+
+
+def test_tensors_that_repeat_a_layout_are_planned_and_counted_each_as_alone():
+    """`make_plan` computes a (layout, shape)'s boxes once and `rank_stats` intersects the same
+    chunks and boxes once (a model's layers repeat them): each tensor still gets its own owners,
+    bytes (its dtype) and files (its chunks'), as when planned alone."""
+    from pathlib import Path
+
+    from hpckpt.core.geometry.plan_stats import rank_stats
+    from hpckpt.core.index import CheckpointIndex, Chunk, TensorEntry
+
+    def entry(name, dt, files):
+        chunks = [Chunk(Box((0, 0), (5, 6)), files[0], name), Chunk(Box((5, 0), (3, 6)), files[1], name)]
+        return TensorEntry(name, dtype(dt), (8, 6), chunks, dt)
+
+    def index(entries):
+        return CheckpointIndex(root=Path("."), format="memory", format_version="", framework=None,
+                               tensors={e.fqn: e for e in entries}, values={}, data_files=[], locator=None)
+
+    specs = [("a", "float32", ["f0", "f1"]), ("b", "float32", ["g0", "g1"]), ("c", "bfloat16", ["f1", "f0"]),
+             ("d", "float32", ["h0", "h1"])]
+    layout = LayoutSpec(Mesh((3,)), parse_placements("S0")).resolve("a", (8, 6))
+    layouts = _Layouts({name: layout for name, *_ in specs[:3]} |
+                       {"d": LayoutSpec(Mesh((3,)), parse_placements("S1")).resolve("d", (8, 6))})
+    together_plan = make_plan(index([entry(*s) for s in specs]), layouts, 3)
+    together = rank_stats(together_plan, index([entry(*s) for s in specs]))
+    alone = {}
+    for s in specs:
+        plan = make_plan(index([entry(*s)]), layouts, 3)
+        assert plan.tensors[0] == next(t for t in together_plan.tensors if t.fqn == s[0])
+        for st in rank_stats(plan, index([entry(*s)])):
+            w, r, f = alone.get(st.rank, (0, 0, set()))
+            alone[st.rank] = (w + st.bytes_written, r + st.bytes_read, f | set(st.files))
+    assert {st.rank: (st.bytes_written, st.bytes_read, set(st.files)) for st in together} == alone
+    assert any(len(f) > 2 for _, _, f in alone.values())  # (files of several tensors on one rank)

@@ -143,6 +143,19 @@ def _listed_rank_major(offsets: np.ndarray, sizes: np.ndarray, owner: np.ndarray
     return tuple(PlannedBox(Box(tuple(o), tuple(s)), r, i) for i, (o, s, r) in enumerate(zip(offsets, sizes, ranks)))
 
 
+def _rank_boxes_once(layout: TensorLayout, shape: tuple[int, ...], known: dict) -> RankBoxes:
+    """`rank_boxes`, once per (layout, shape): a model's layers repeat them (the arrays are
+    only read afterwards, so tensors may share them)."""
+    key = (layout, tuple(shape))
+    try:
+        found = known.get(key)
+    except TypeError:  # a layout that cannot be hashed (a list in a placement): computed each time
+        return rank_boxes(layout, shape)
+    if found is None:
+        found = known[key] = rank_boxes(layout, shape)
+    return found
+
+
 def make_plan(index: CheckpointIndex, layouts: TargetLayouts, world_size: int, *,
               names: Iterable[str] | None = None, ranks: Iterable[int] | None = None,
               cast_to: DType | None = None, casts: Mapping[str, DType] | None = None,
@@ -159,7 +172,8 @@ def make_plan(index: CheckpointIndex, layouts: TargetLayouts, world_size: int, *
     """
     wanted = None if names is None else set(names)
     entries: list[TensorEntry] = [e for fqn, e in index.tensors.items() if wanted is None or fqn in wanted]
-    grids = [rank_boxes(layouts.resolve(e.fqn, e.shape), e.shape) for e in entries]
+    known: dict = {}
+    grids = [_rank_boxes_once(layouts.resolve(e.fqn, e.shape), e.shape, known) for e in entries]
     if every_replica:
         stored = [_every_holder(grid) for grid in grids]
     else:
