@@ -282,39 +282,18 @@ class _Source:
         for fqn, item in self.metadata.state_dict_metadata.items():
             if isinstance(item, TensorStorageMetadata):
                 spelling = dtype_spelling(item.properties, f"{self.name}: tensor {fqn}")
-                try:
-                    dtype = dtypes.dtype(spelling)
-                except UnknownFormatError as exc:
-                    raise UnknownFormatError(f"{self.name}: tensor {fqn}: {exc.message}") from None
                 where = f"{self.name}: tensor {fqn}"
-                shape = check_shape(item.size, dtype.itemsize, where)
+                dtype, shape = _dtype_and_shape(spelling, item.size, where)
                 diagnose = functools.partial(_bad_chunk, item, len(shape))
-                build = guarded(functools.partial(self.chunks, fqn, item), where, diagnose)
-                entry = tensors.get(fqn)
-                if entry is None:
-                    tensors[fqn] = TensorEntry(fqn, dtype, shape, None, spelling, build=build, n_chunks=len(item.chunks),
-                                               build_arrays=guarded(functools.partial(_arrays, item, len(shape), fqn),
-                                                                    where, diagnose),
-                                               build_files=guarded(functools.partial(self.files, fqn, item), where,
-                                                                   diagnose))
-                elif entry.dtype != dtype or entry.shape != shape:
-                    raise CorruptMetadataError(
-                        f"{self.name}: tensor {fqn} is {dtype}{list(shape)} here but "
-                        f"{entry.dtype}{list(entry.shape)} in another metadata file"
-                    )
-                else:
-                    entry._build = _concat(entry._build, build)
-                    entry._build_arrays = entry._build_files = None
-                    entry.n_chunks += len(item.chunks)
+                _merge_tensor(tensors, self.name, TensorEntry(
+                    fqn, dtype, shape, None, spelling, n_chunks=len(item.chunks),
+                    build=guarded(functools.partial(self.chunks, fqn, item), where, diagnose),
+                    build_arrays=guarded(functools.partial(_arrays, item, len(shape), fqn), where, diagnose),
+                    build_files=guarded(functools.partial(self.files, fqn, item), where, diagnose)))
             elif isinstance(item, BytesStorageMetadata):
                 info = storage.get(MetadataIndex(fqn))
-                if info is None:
-                    raise CorruptMetadataError(f"{self.name}: value {fqn} has no storage_data entry")
-                offset, length = check_ints((getattr(info, "offset", None), getattr(info, "length", None)),
-                                            f"{self.name}: value {fqn}: byte range")
-                entry = ValueEntry(fqn, info.relative_path, offset, length)
-                if values.setdefault(fqn, entry) is not entry and replicas is not None:
-                    replicas.append(entry)  # another rank's copy: read by that rank's loader, checked by verify
+                _merge_value(values, replicas, self.name, fqn, info and (info.relative_path, getattr(info, "offset", None),
+                                                                         getattr(info, "length", None)))
             else:
                 raise CorruptMetadataError(f"{self.name}: entry {fqn} has unexpected type {type(item).__name__}")
 
@@ -337,34 +316,49 @@ class _ColumnSource:
     def merge_into(self, tensors: dict[str, TensorEntry], values: dict[str, ValueEntry],
                    replicas: list[ValueEntry] | None = None) -> None:
         for t in self.columns.tensors:
-            where = f"{self.name}: tensor {t.fqn}"
-            try:
-                dtype = dtypes.dtype(t.dtype)
-            except UnknownFormatError as exc:
-                raise UnknownFormatError(f"{where}: {exc.message}") from None
-            shape = check_shape(t.shape, dtype.itemsize, where)
-            build = functools.partial(self.chunks, t)
-            entry = tensors.get(t.fqn)
-            if entry is None:
-                tensors[t.fqn] = TensorEntry(t.fqn, dtype, shape, None, t.dtype, build=build, n_chunks=len(t.offsets),
-                                             build_arrays=functools.partial(_pair, t.offsets, t.sizes),
-                                             build_files=functools.partial(self.columns.chunk_files, t))
-            elif entry.dtype != dtype or entry.shape != shape:
-                raise CorruptMetadataError(f"{self.name}: tensor {t.fqn} is {dtype}{list(shape)} here but "
-                                           f"{entry.dtype}{list(entry.shape)} in another metadata file")
-            else:
-                entry._build = _concat(entry._build, build)
-                entry._build_arrays = entry._build_files = None
-                entry.n_chunks += len(t.offsets)
-        stored = {v.fqn: v for v in self.columns.value_storage}
+            dtype, shape = _dtype_and_shape(t.dtype, t.shape, f"{self.name}: tensor {t.fqn}")
+            _merge_tensor(tensors, self.name, TensorEntry(
+                t.fqn, dtype, shape, None, t.dtype, n_chunks=len(t.offsets), build=functools.partial(self.chunks, t),
+                build_arrays=functools.partial(_pair, t.offsets, t.sizes),
+                build_files=functools.partial(self.columns.chunk_files, t)))
+        stored = {v.fqn: (v.file, v.offset, v.length) for v in self.columns.value_storage}
         for fqn in self.columns.values:
-            info = stored.get(fqn)
-            if info is None:
-                raise CorruptMetadataError(f"{self.name}: value {fqn} has no storage_data entry")
-            offset, length = check_ints((info.offset, info.length), f"{self.name}: value {fqn}: byte range")
-            entry = ValueEntry(fqn, info.file, offset, length)
-            if values.setdefault(fqn, entry) is not entry and replicas is not None:
-                replicas.append(entry)
+            _merge_value(values, replicas, self.name, fqn, stored.get(fqn))
+
+
+def _dtype_and_shape(spelling: str, size, where: str):
+    """A tensor's dtype (from the metadata's spelling) and checked shape."""
+    try:
+        dtype = dtypes.dtype(spelling)
+    except UnknownFormatError as exc:
+        raise UnknownFormatError(f"{where}: {exc.message}") from None
+    return dtype, check_shape(size, dtype.itemsize, where)
+
+
+def _merge_tensor(tensors: dict[str, TensorEntry], name: str, new: TensorEntry) -> None:
+    """Add a metadata file's entry of a tensor; rank-local files each list their own chunks of it."""
+    entry = tensors.get(new.fqn)
+    if entry is None:
+        tensors[new.fqn] = new
+    elif entry.dtype != new.dtype or entry.shape != new.shape:
+        raise CorruptMetadataError(f"{name}: tensor {new.fqn} is {new.dtype}{list(new.shape)} here but "
+                                   f"{entry.dtype}{list(entry.shape)} in another metadata file")
+    else:
+        entry._build = _concat(entry._build, new._build)
+        entry._build_arrays = entry._build_files = None
+        entry.n_chunks += new.n_chunks
+
+
+def _merge_value(values: dict[str, ValueEntry], replicas: list[ValueEntry] | None, name: str, fqn: str,
+                 stored: tuple | None) -> None:
+    """Add a value stored at `(file, offset, length)`; another file's copy is a replica (read by
+    that rank's loader, checked by verify)."""
+    if stored is None:
+        raise CorruptMetadataError(f"{name}: value {fqn} has no storage_data entry")
+    offset, length = check_ints(stored[1:], f"{name}: value {fqn}: byte range")
+    entry = ValueEntry(fqn, stored[0], offset, length)
+    if values.setdefault(fqn, entry) is not entry and replicas is not None:
+        replicas.append(entry)
 
 
 def _pair(offsets: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
