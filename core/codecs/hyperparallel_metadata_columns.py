@@ -121,7 +121,7 @@ def _encoded(value: object) -> bytes:
     return bytes(builder.body)
 
 
-def _tuple_ops(ndim: int) -> tuple[bytes, bytes]:
+def tuple_ops(ndim: int) -> tuple[bytes, bytes]:
     """What goes before and after `ndim` pushed integers to make them a tuple."""
     if ndim == 0:
         return pickle.EMPTY_TUPLE, b""
@@ -233,7 +233,7 @@ def _tensor_entry(w: _Writer, t: TensorColumns) -> None:
            pickle.NEWOBJ + pickle.EMPTY_DICT + pickle.MARK + w.get("str", "properties") + properties +
            w.get("str", "size") + size + w.get("str", "chunks") + pickle.EMPTY_LIST + pickle.MARK)
     ndim = len(t.shape)
-    before, after = _tuple_ops(ndim)
+    before, after = tuple_ops(ndim)
     record = _Record()
     record.const(w.get("global", _CLASSES["ChunkStorageMetadata"]) + pickle.EMPTY_TUPLE + pickle.NEWOBJ +
                  pickle.EMPTY_DICT + pickle.MARK)
@@ -251,7 +251,7 @@ def _tensor_entry(w: _Writer, t: TensorColumns) -> None:
 def _storage_entries(w: _Writer, t: TensorColumns, file_memo: np.ndarray) -> None:
     """`MetadataIndex(fqn, offset, index): StorageInfo(file, 0, -1, key)` for each chunk."""
     ndim = len(t.shape)
-    before, after = _tuple_ops(ndim)
+    before, after = tuple_ops(ndim)
     record = _Record()
     record.const(w.get("global", _CLASSES["MetadataIndex"]) + pickle.EMPTY_TUPLE + pickle.NEWOBJ + pickle.EMPTY_DICT +
                  pickle.MARK + w.get("str", "fqn") + w.get("str", t.fqn) + w.get("str", "offset") + before)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from hpckpt.core.codecs.hyperparallel_metadata import HP_METADATA_MODULE, HP_STORAGE_MODULE
+from hpckpt.core.codecs.hyperparallel_metadata_columns import tuple_ops
 
 _U32 = struct.Struct("<I").unpack_from
 _I32 = struct.Struct("<i").unpack_from
@@ -34,7 +35,7 @@ MARK, POP_MARK, STOP, GLOBAL, BINUNICODE = 0x28, 0x31, 0x2E, 0x63, 0x58
 LONG_BINPUT, LONG_BINGET, FRAME, SETITEMS = 0x72, 0x6A, 0x95, 0x75
 BININT1, BININT2, BININT, LONG1 = 0x4B, 0x4D, 0x4A, 0x8A
 EMPTY_TUPLE, TUPLE, TUPLE1, TUPLE2, TUPLE3 = 0x29, 0x74, 0x85, 0x86, 0x87
-NONE, EMPTY_DICT = 0x4E, 0x7D
+NONE = 0x4E
 
 _CLASSES = {
     (HP_METADATA_MODULE, "Metadata"), (HP_METADATA_MODULE, "TensorStorageMetadata"),
@@ -97,14 +98,6 @@ def read_columns(data: bytes) -> ColumnsMetadata | None:
         return None
 
 
-def _tuple_ops(ndim: int) -> tuple[bytes, bytes]:
-    if ndim == 0:
-        return b")", b""
-    if ndim <= 3:
-        return b"", bytes([(TUPLE1, TUPLE2, TUPLE3)[ndim - 1]])
-    return b"(", b"t"
-
-
 class _Template:
     """A record's bytes with 4-byte slots: fixed bytes compared, slots read, many rows at once."""
 
@@ -118,12 +111,7 @@ class _Template:
             else:
                 raw += part
         self.width = len(raw)
-        self.bytes = np.frombuffer(bytes(raw), np.uint8)
-        fixed = np.ones(self.width, bool)
-        for at in self.slots:
-            fixed[at:at + 4] = False
-        self.fixed = np.flatnonzero(fixed)
-        self.slot_bytes = np.concatenate([np.arange(at, at + 4) for at in self.slots]) if self.slots else None
+        self.bytes = bytes(raw)
 
     def read(self, rows: np.ndarray, raw: bytearray) -> np.ndarray:
         """The slots of `rows` ([n, width] uint8, a view of all of `raw`) as int64 [n, slots];
@@ -133,7 +121,7 @@ class _Template:
         for at in self.slots:
             slots.append(rows[:, at:at + 4].copy().view("<i4"))  # a copy: the bytes are zeroed next
             rows[:, at:at + 4] = 0
-        if raw != self.bytes.tobytes() * len(rows):
+        if raw != self.bytes * len(rows):
             raise _NotColumns("a record differs from the writer's")
         if not slots:
             return np.zeros((len(rows), 0), np.int64)
@@ -436,7 +424,7 @@ class _Recogniser:
         found = self._templates.get(("chunk", ndim))
         if found is not None:
             return found
-        before, after = _tuple_ops(ndim)
+        before, after = tuple_ops(ndim)
         parts: list[bytes | None] = [self.obj("ChunkStorageMetadata")]
         for name in ("offsets", "sizes"):
             parts.append(self.s(name) + before)
@@ -451,7 +439,7 @@ class _Recogniser:
         if found is not None:
             return found
         s = self.s
-        before, after = _tuple_ops(ndim)
+        before, after = tuple_ops(ndim)
         parts: list[bytes | None] = [self.obj("MetadataIndex") + s("fqn") + b"j", None, s("offset") + before]
         for _ in range(ndim):
             parts += [b"J", None]
