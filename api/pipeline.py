@@ -190,4 +190,4 @@ def write(command: str, src: str | Path, dst: str | Path, source: CheckpointInde
         seconds=time.perf_counter() - started, files=files, dry_run=dry_run, plan=summary,
         finalized=(target.ranks is None) if layouts and not dry_run else None, skipped=skipped,
         converted=converted, warnings=(*source.warnings, *fit_warnings), written=paths,
-        **(dict(extra) if extra else {}))
+        planned=(plan, ranks) if dry_run else None, **(dict(extra) if extra else {}))

@@ -13,25 +13,31 @@ from hpckpt.core.index import CheckpointIndex
 
 
 def convert_view(index: CheckpointIndex, dst, to: str | None = None, *, layout=None, rules=None,
-                 select=None, dtype: str | None = None, keep_replicas: bool = False) -> tuple[dict, str]:
+                 select=None, dtype: str | None = None, keep_replicas: bool = False,
+                 planned: tuple | None = None) -> tuple[dict, str]:
     """`plan_view` of what `api.convert` would write (its names renamed as the rules say; the
-    tensors rules derive are not drawn): `(view, target format name)`."""
+    tensors rules derive are not drawn): `(view, target format name)`. `planned`: as for `plan_view`."""
     from hpckpt.api.convert import convert_target, rename, target_format
     from hpckpt.api.options import Selection
 
     fmt = target_format(to, dst)
     view, _mapping, casts, _derived, _dropped = rename(index, rules, select or Selection())
     target = convert_target(fmt, view, layout, dtype=dtype, casts=casts, keep_replicas=keep_replicas)
-    return plan_view(view, target), fmt.name
+    return plan_view(view, target, planned=planned), fmt.name
 
 
-def plan_view(index: CheckpointIndex, target: pipeline.Target, names: list[str] | None = None) -> dict:
+def plan_view(index: CheckpointIndex, target: pipeline.Target, names: list[str] | None = None, *,
+              planned: tuple | None = None) -> dict:
     """The plan of writing `index` (the entries `names`) as `target`, as the page draws it:
     `source` and `target` shard maps, `ranks` rows `[rank, bytes written, bytes read, files]`,
     `files` (every source data file named once) and, per target rank, the indices of the files
-    it opens (`touched`, flat, with `touched_start`)."""
-    plan = pipeline.make_target_plan(index, target, names)
-    stats = rank_stats(plan, index)
+    it opens (`touched`, flat, with `touched_start`). `planned`: the dry run's `(plan, rank
+    stats)` (`WriteReport.planned`), drawn as they are; else the plan is made here."""
+    if planned is not None:
+        plan, stats = planned
+    else:
+        plan = pipeline.make_target_plan(index, target, names)
+        stats = rank_stats(plan, index)
     tensors = [t.fqn for t in plan.tensors]
     target_map = planned_map(plan)
     if target.layout is not None:  # each target tensor's layout, as the options gave it

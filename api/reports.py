@@ -99,6 +99,9 @@ class WriteReport(Report):
     names: dict | None = None
     would_write: dict | None = None
     written: tuple[str, ...] = ()  # the paths of the files written (data, metadata, side files)
+    #: A dry run's plan and its rank statistics, not part of the document: the plan's page
+    #: (`api.plan_view`) draws what the run planned instead of planning it again.
+    planned: Any = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict:
         written, seconds = self.bytes_written, self.seconds

@@ -64,7 +64,7 @@ def consolidate(
 
             selection = select.selection()
             names = None if selection.everything else selection.names([*index.tensors, *index.values])
-            view = plan_view(index, consolidate_target(target.name, dtype=dtype), names)
+            view = plan_view(index, consolidate_target(target.name, dtype=dtype), names, planned=report.planned)
             page = {"path": str(html), "bytes": write_plan_page(html, src, out, index.format, target.name, view)}
     _output.warn_skipped(report)
     if _output.json_mode():

@@ -64,7 +64,7 @@ def run(src, out, to, *, layout, framework, dtype, select, rules, max_shard_size
         from hpckpt.cli.html import write_plan_page
 
         view, fmt = convert_view(index, out, to, layout=layout, rules=rules, select=select.selection(), dtype=dtype,
-                                 keep_replicas=keep_replicas)
+                                 keep_replicas=keep_replicas, planned=report.planned)
         page = {"path": str(html), "bytes": write_plan_page(html, src, out, index.format, fmt, view)}
     progress.stop()
     _output.warn_skipped(report)

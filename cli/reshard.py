@@ -144,7 +144,7 @@ def _write_plan_page(path: Path, src, index, spec, to: str, dtype, keep_replicas
     target = reshard_target(to, spec, dtype=dtype, keep_replicas=keep_replicas)
     names = None if selection.everything else selection.names([*index.tensors, *index.values])
     return write_plan_page(path, src, report["destination"], index.format, report["format"],
-                           plan_view(index, target, names), prediction)
+                           plan_view(index, target, names, planned=report.planned), prediction)
 
 
 def _per_file(prediction: dict) -> str:

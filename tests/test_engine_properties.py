@@ -341,3 +341,48 @@ def test_all_empty_boxes_that_share_a_start_are_recorded_once(tmp_path):
     assert sorted(c.box.offsets for c in chunks) == [(0, 0), (1, 0), (2, 0)]
     api.consolidate(tmp_path / "dst", tmp_path / "t.safetensors")
     assert tuple(load_file(str(tmp_path / "t.safetensors"))["t"].shape) == (2, 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(shape=st.lists(st.integers(0, 7), min_size=1, max_size=3).map(tuple), data=st.data())
+def test_the_shard_map_s_array_check_of_a_split_agrees_with_the_box_by_box_pass(shape, data):
+    """A shard map asks `validate.coverage` of every tensor; it first tries `_tiles_along_one_dim`
+    on the chunk arrays. Where that says the boxes tile the tensor, the box-by-box pass finds
+    nothing; and it says so for every row or column split, its replicas next to their copy and
+    empty boxes among them (so the slow pass is skipped where it would be). Extra boxes (anywhere,
+    past the tensor's end, replicas out of place) or a part left out or cut short may only make it say False."""
+    from hpckpt.core.index import TensorEntry
+    from hpckpt.core.safety.validate import _coverage, _tiles_along_one_dim
+
+    d = data.draw(st.integers(0, len(shape) - 1))
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, max(shape[d] - 1, 1)), max_size=4))) - {shape[d]})
+    edges = [0, *[c for c in cuts if c < shape[d]], shape[d]]
+    boxes = [Box(tuple(a if k == d else 0 for k in range(len(shape))),
+                 tuple(b - a if k == d else n for k, n in enumerate(shape))) for a, b in zip(edges, edges[1:])]
+    boxes = [b for b in boxes if b.sizes[d]] or boxes[:1]
+    dropped = data.draw(st.booleans())  # a part left out: a gap, at the start, between or at the end
+    kept = [b for i, b in enumerate(boxes) if not dropped or i != data.draw(st.integers(0, len(boxes) - 1))]
+    shrunk = data.draw(st.booleans()) and kept  # a part one element short in some dim: a gap again
+    if shrunk:
+        i, k = data.draw(st.integers(0, len(kept) - 1)), data.draw(st.integers(0, len(shape) - 1))
+        start = data.draw(st.booleans())  # short at its start or at its end
+        kept[i] = Box(tuple(o + (1 if j == k and start and kept[i].sizes[k] else 0) for j, o in enumerate(kept[i].offsets)),
+                      tuple(max(z - 1, 0) if j == k else z for j, z in enumerate(kept[i].sizes)))
+    split = []
+    for box in kept:  # each part, perhaps with replicas right after it
+        split += [box] * data.draw(st.integers(1, 3))
+    if data.draw(st.booleans()):  # empty boxes anywhere in the list
+        split.insert(data.draw(st.integers(0, len(split))), Box((0,) * len(shape), (0,) * len(shape)))
+    extra = data.draw(st.lists(st.one_of(
+        query_boxes(shape), st.sampled_from(boxes),
+        st.builds(lambda b, k: Box(tuple(o + (1 if j == k else 0) for j, o in enumerate(b.offsets)), b.sizes),
+                  st.sampled_from(boxes), st.integers(0, len(shape) - 1))), max_size=2))
+    for box in extra:
+        split.insert(data.draw(st.integers(0, len(split))), box)
+    entry = TensorEntry("t", dtypes.dtype("float32"), shape, [Chunk(b, "f", "t") for b in split])
+    fast = _tiles_along_one_dim(entry)
+    slow_finds = _coverage(entry, [b for b in split if b.inside(shape)])
+    if fast:
+        assert not slow_finds, (shape, split)
+    if not extra and not dropped and not shrunk and math.prod(shape):
+        assert fast, (shape, split)

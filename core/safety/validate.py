@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from hpckpt.core import dtypes
-from hpckpt.core.errors import EXIT_CODE_BY_KIND, HpckptError, InterruptedSaveError
+from hpckpt.core.errors import EXIT_CODE_BY_KIND, CorruptMetadataError, HpckptError, InterruptedSaveError
 from hpckpt.core.geometry.box import Box
 from hpckpt.core.geometry.overlap import ChunkIndex, boxes_to_arrays
 from hpckpt.core.index import CheckpointIndex, TensorEntry
@@ -198,6 +198,8 @@ def coverage(entry: TensorEntry) -> dict[str, list[str]]:
     """The gaps and overlaps of one tensor's stored boxes, what a shard map marks: `gaps` and
     `overlaps` as regions (`[0:2, 4:8]`, at most a few of each), `notes` what is wrong but could
     not be located; empty when the boxes tile the tensor."""
+    if _tiles_along_one_dim(entry):
+        return {}
     out: dict[str, list[str]] = {}
     for finding in _coverage(entry, [b for b in entry.boxes if b.inside(entry.shape)]):
         kind = "notes" if not finding.boxes else "gaps" if finding.message.startswith(f"{entry.fqn}: no chunk covers") \
@@ -252,6 +254,38 @@ def _coverage(entry: TensorEntry, boxes: list[Box]) -> list[Finding]:
             fqn=entry.fqn, boxes=tuple(map(str, overlaps)),
         ))
     return findings
+
+
+def _tiles_along_one_dim(entry: TensorEntry) -> bool:
+    """`_tiles_one_dim` on the tensor's chunk arrays, without an object per chunk: a shard map
+    of a thousand ranks' checkpoint asks it of every tensor. True only where the boxes, every one
+    inside the tensor, tile it row- or column-wise; anything else (a box outside, a box given
+    twice but not next to its copy, a 2-D split, a gap) says False and the caller looks closer."""
+    shape = entry.shape
+    if not shape or math.prod(shape) == 0 or max(shape) >= 1 << 62 or not entry.n_chunks:
+        return False
+    try:
+        offsets, sizes = entry.chunk_arrays()
+    except CorruptMetadataError:
+        return False
+    limit = np.array(shape, np.int64)
+    if offsets.shape != sizes.shape or offsets.shape[1:] != limit.shape:
+        return False
+    if (offsets < 0).any() or (sizes < 0).any() or (sizes > limit).any() or (offsets + sizes > limit).any():
+        return False  # (each term at most 2**62: the sum cannot wrap)
+    kept = sizes.all(axis=1)
+    offsets, sizes = offsets[kept], sizes[kept]
+    split = np.flatnonzero((sizes != limit).any(axis=0))
+    if len(split) > 1:
+        return False
+    d = int(split[0]) if len(split) else 0
+    order = np.argsort(offsets[:, d], kind="stable")
+    starts, lengths = offsets[order, d], sizes[order, d]
+    repeated = np.zeros(len(starts), bool)  # a replica right after its copy (full extent elsewhere)
+    repeated[1:] = (starts[1:] == starts[:-1]) & (lengths[1:] == lengths[:-1])
+    starts, lengths = starts[~repeated], lengths[~repeated]
+    ends = np.cumsum(lengths)
+    return bool(len(starts)) and int(starts[0]) == 0 and bool((starts[1:] == ends[:-1]).all()) and int(ends[-1]) == shape[d]
 
 
 def _tiles_one_dim(boxes: list[Box], shape: tuple[int, ...]) -> bool:
