@@ -3,11 +3,23 @@ needs the HyperParallel fixtures fails (never aborts the collection) when they a
 
 from __future__ import annotations
 
+import compileall
 import os
+import re
+from pathlib import Path
 
 import pytest
 
 from _util import FIXTURES, missing_fixtures
+
+
+def pytest_sessionstart(session) -> None:
+    """Write the bytecode of hpckpt's modules (and the tests' helpers) once, before the suite
+    starts its hundreds of `hpckpt` and job processes: where PYTHONDONTWRITEBYTECODE is set (the
+    machines here set it), a fresh clone has none, and every process would compile each module it imports again
+    (`hpckpt inspect` of a tiny checkpoint: 0.5-0.6 s instead of 0.33 s)."""
+    skip = re.compile(r"[/\\](\.venv|\.git|\.node|node_modules|fixtures)([/\\]|$)")
+    compileall.compile_dir(Path(__file__).resolve().parent.parent, rx=skip, quiet=2)
 
 
 @pytest.fixture(autouse=True, scope="session")
