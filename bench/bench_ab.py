@@ -46,8 +46,13 @@ def operations(inputs: Path, out: Path, plan_source: Path | None = None,
     if plan_source is not None:  # planning at scale (bench_plan.py's sources)
         ops[f"reshard --plan {plan_source.name} -> 4096"] = ["reshard", str(plan_source), "-o", str(out / "p"),
                                                             "--world-size", "4096", "--plan"]
+        ops[f"reshard --plan --html {plan_source.name} -> 4096"] = [
+            "reshard", str(plan_source), "-o", str(out / "p"), "--world-size", "4096", "--plan",
+            "--html", str(out / "plan.html")]
     if inspect_source is not None:  # a large metadata without a manifest, read cold (HPCKPT_NO_CACHE)
         ops[f"inspect --json {inspect_source.name}, cold"] = ["inspect", str(inspect_source), "--json"]
+        ops[f"inspect --summary --html {inspect_source.name}, cold"] = [
+            "inspect", str(inspect_source), "--summary", "--html", str(out / "map.html")]
     return ops
 
 

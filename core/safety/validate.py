@@ -259,8 +259,9 @@ def _coverage(entry: TensorEntry, boxes: list[Box]) -> list[Finding]:
 def _tiles_along_one_dim(entry: TensorEntry) -> bool:
     """`_tiles_one_dim` on the tensor's chunk arrays, without an object per chunk: a shard map
     of a thousand ranks' checkpoint asks it of every tensor. True only where the boxes, every one
-    inside the tensor, tile it row- or column-wise; anything else (a box outside, a box given
-    twice but not next to its copy, a 2-D split, a gap) says False and the caller looks closer."""
+    inside the tensor, tile it row- or column-wise (replicas and empty boxes aside); anything else
+    (a box outside, boxes of different lengths at one start, a 2-D split, a gap) says False and
+    the caller looks closer."""
     shape = entry.shape
     if not shape or math.prod(shape) == 0 or max(shape) >= 1 << 62 or not entry.n_chunks:
         return False
@@ -281,7 +282,7 @@ def _tiles_along_one_dim(entry: TensorEntry) -> bool:
     d = int(split[0]) if len(split) else 0
     order = np.argsort(offsets[:, d], kind="stable")
     starts, lengths = offsets[order, d], sizes[order, d]
-    repeated = np.zeros(len(starts), bool)  # a replica right after its copy (full extent elsewhere)
+    repeated = np.zeros(len(starts), bool)  # a replica, sorted next to its copy (full extent elsewhere)
     repeated[1:] = (starts[1:] == starts[:-1]) & (lengths[1:] == lengths[:-1])
     starts, lengths = starts[~repeated], lengths[~repeated]
     ends = np.cumsum(lengths)
