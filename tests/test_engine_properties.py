@@ -390,3 +390,16 @@ def test_the_shard_map_s_array_check_of_a_split_agrees_with_the_box_by_box_pass(
         assert not slow_finds, (shape, split)
     if not extra and not dropped and not shrunk and not shifted and math.prod(shape):
         assert fast, (shape, split)
+
+
+def test_the_shard_map_s_array_check_refuses_a_gap_hidden_by_an_overlap():
+    """Parts [0:2], [1:3], [4:5] of 5 rows: lengths that add up to the rows and each part
+    starting before the last one ends, yet row 3 is stored nowhere and row 1 twice; the array
+    check must not say "tiles" (the box-by-box pass names both)."""
+    from hpckpt.core.index import TensorEntry
+    from hpckpt.core.safety.validate import _tiles_along_one_dim, coverage
+
+    parts = [Box((0, 0), (2, 3)), Box((1, 0), (2, 3)), Box((4, 0), (1, 3))]
+    entry = TensorEntry("t", dtypes.dtype("float32"), (5, 3), [Chunk(b, "f", "t") for b in parts])
+    assert not _tiles_along_one_dim(entry)
+    assert coverage(entry) == {"gaps": ["[3:4, 0:3]"], "overlaps": ["[1:2, 0:3]"]}
