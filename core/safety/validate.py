@@ -217,7 +217,7 @@ def _coverage(entry: TensorEntry, boxes: list[Box]) -> list[Finding]:
     if math.prod(shape) == 0:
         return []
     distinct = sorted({b for b in boxes if not b.is_empty}, key=lambda b: (b.offsets, b.sizes))
-    if _tiles_one_dim(distinct, shape):
+    if distinct and _tiles_arrays(*boxes_to_arrays(distinct, len(shape)), shape):
         return []
     cuts = [sorted({0, n} | {b.offsets[d] for b in distinct} | {b.ends[d] for b in distinct})
             for d, n in enumerate(shape)]
@@ -257,17 +257,24 @@ def _coverage(entry: TensorEntry, boxes: list[Box]) -> list[Finding]:
 
 
 def _tiles_along_one_dim(entry: TensorEntry) -> bool:
-    """`_tiles_one_dim` on the tensor's chunk arrays, without an object per chunk: a shard map
-    of a thousand ranks' checkpoint asks it of every tensor. True only where the boxes, every one
-    inside the tensor, tile it row- or column-wise (replicas and empty boxes aside); anything else
-    (a box outside, boxes of different lengths at one start, a 2-D split, a gap) says False and
-    the caller looks closer."""
+    """`_tiles_arrays` on the tensor's chunk arrays, without an object per chunk: a shard map of
+    a thousand ranks' checkpoint asks it of every tensor."""
     shape = entry.shape
-    if not shape or math.prod(shape) == 0 or max(shape) >= 1 << 62 or not entry.n_chunks:
+    if not shape or math.prod(shape) == 0 or not entry.n_chunks:
         return False
     try:
         offsets, sizes = entry.chunk_arrays()
     except CorruptMetadataError:
+        return False
+    return _tiles_arrays(offsets, sizes, shape)
+
+
+def _tiles_arrays(offsets: np.ndarray, sizes: np.ndarray, shape: tuple[int, ...]) -> bool:
+    """Fast path for the common layouts (row or column shards): True only where the boxes, every
+    one inside the tensor, have full extent in every dimension but one and meet end to end along
+    it from 0 to its size (replicas and empty boxes aside); anything else (a box outside, boxes of
+    different lengths at one start, a 2-D split, a gap) says False and the caller looks closer."""
+    if max(shape) >= 1 << 62:
         return False
     limit = np.array(shape, np.int64)
     if offsets.shape != sizes.shape or offsets.shape[1:] != limit.shape:
@@ -287,23 +294,6 @@ def _tiles_along_one_dim(entry: TensorEntry) -> bool:
     starts, lengths = starts[~repeated], lengths[~repeated]
     ends = np.cumsum(lengths)
     return bool(len(starts)) and int(starts[0]) == 0 and bool((starts[1:] == ends[:-1]).all()) and int(ends[-1]) == shape[d]
-
-
-def _tiles_one_dim(boxes: list[Box], shape: tuple[int, ...]) -> bool:
-    """Fast path for the common layouts (row or column shards): full extent in every dimension
-    but one, and intervals along that one meeting end to end from 0 to its size."""
-    split = [d for d in range(len(shape)) if any(b.sizes[d] != shape[d] for b in boxes)]
-    if len(split) > 1:
-        return False
-    d = split[0] if split else 0
-    if any(any(b.offsets[k] != 0 for k in range(len(shape)) if k != d) for b in boxes):
-        return False
-    position = 0
-    for b in sorted(boxes, key=lambda b: b.offsets[d]):
-        if b.offsets[d] != position:
-            return False
-        position += b.sizes[d]
-    return position == shape[d]
 
 
 def _cells_to_boxes(mask: np.ndarray, cuts: list[list[int]]) -> tuple[list[Box], int]:
