@@ -28,13 +28,18 @@ def _index(data: bytes, fast: bool):
     """What the reader's index holds, through `read_columns` (fast) or the safe unpickler."""
     if fast:
         columns = read_columns(data)
-        if columns is None:
-            return None
-        source, extra = _ColumnSource(columns, "m"), (columns.planner_data, columns.version, columns.data_files())
-    else:
-        metadata = loads(data, what="m", kind=METADATA)
-        source = _Source(metadata, "m")
-        extra = (metadata.planner_data, metadata.version, {v.relative_path for v in metadata.storage_data.values()})
+        return None if columns is None else _index_of_columns(columns)
+    metadata = loads(data, what="m", kind=METADATA)
+    source = _Source(metadata, "m")
+    return _index_of(source, (metadata.planner_data, metadata.version,
+                              {v.relative_path for v in metadata.storage_data.values()}))
+
+
+def _index_of_columns(columns):
+    return _index_of(_ColumnSource(columns, "m"), (columns.planner_data, columns.version, columns.data_files()))
+
+
+def _index_of(source, extra):
     tensors, values, replicas = {}, {}, []
     source.merge_into(tensors, values, replicas)
     out = {}
@@ -135,6 +140,20 @@ def _slow_or_error(data: bytes):
         return f"error: {exc}"
 
 
+def mutated(sample: bytes, at: int, kind: str, value: int, length: int) -> bytes:
+    """`sample` with a byte set, a bit flipped, or `length` bytes deleted or repeated, at `at`."""
+    data = bytearray(sample)
+    if kind == "byte":
+        data[at] = value
+    elif kind == "bit":
+        data[at] ^= 1 << (value % 8)
+    elif kind == "delete":
+        del data[at:at + length]
+    else:
+        data[at:at] = data[at:at + length]
+    return bytes(data)
+
+
 _SAMPLE = _both(_plan("balanced", True))[1]
 #: Where the sample has a BININT or a memo reference: their bytes are values, which a mutation
 #: there changes while keeping the shape (so the recogniser accepts it and must agree).
@@ -157,15 +176,7 @@ def test_a_mutated_file_reads_as_the_unpickler_reads_it_or_not_at_all(at, kind, 
         data[argument + at % 2] = value  # its low bytes: a small memo index stays in the memo
     elif kind == "text":
         data[text] = 0x21 + value % 94  # printable ASCII: still UTF-8
-    elif kind == "byte":
-        data[at] = value
-    elif kind == "bit":
-        data[at] ^= 1 << (value % 8)
-    elif kind == "delete":
-        del data[at:at + length]
-    else:
-        data[at:at] = data[at:at + length]
-    data = bytes(data)
+    data = bytes(data) if kind in ("argument", "text") else mutated(_SAMPLE, at, kind, value, length)
     try:
         fast = _index(data, fast=True)
     except HpckptError as exc:  # the index refused a field (a dtype, a shape): so must the unpickler's path

@@ -1,0 +1,1021 @@
+"""Reading, as arrays, the `.metadata` HyperParallel itself writes (the stock pickler, protocol 4).
+
+The safe unpickler builds about ten objects per chunk of such a file: 2.2 s and ~1 GiB for the
+640,000 chunks of a 64-rank, 10,000-tensor checkpoint (docs/benchmarks.md). Nearly all of its
+bytes are two records the stock pickler repeats with the same opcodes once per chunk: a
+`ChunkStorageMetadata` in a tensor's `chunks` list, and a `MetadataIndex: StorageInfo` pair in
+`storage_data`. `read_stock_columns` reads those records with numpy, all at once, and gives the
+rest of the file (the skeleton: a few opcodes per tensor) to the safe unpickler, each run of
+records replaced by a marker. The lists and dicts the skeleton unpickles into then say where
+every record was.
+
+Why what it accepts is what the safe unpickler builds from the same bytes:
+- Frames are taken off first (`_deframe`); every place one was cut must be an opcode boundary.
+- A walk over the skeleton (`_Walk`) goes opcode by opcode, so a run of records starts where an
+  opcode starts; every byte of a run is matched against the record's opcodes (`_Rows`), its
+  memo references resolved to what the skeleton's unpickler put there (read back at its end).
+- A marker does to the unpickler's memo what its records did (as many MEMOIZEs), and to its
+  stack either the same (one object per record) or, where the run is all of one batch between
+  MARK and APPENDS or SETITEMS, what those opcodes make of it. Markers are integers offset by a
+  random 60-bit number, so no byte of the file can forge one; the walk refuses any reference
+  into a run's memo entries, a DUP, a POP and any PUT, so no marker is copied or dropped. Each
+  marker must then be found exactly once, in order, in a tensor's chunk list or as a
+  storage_data key.
+- Anything else (another opcode, a record the walk did not take, two keys the unpickled dict
+  would collapse, a storage entry that is not exactly one chunk's) gives None: the caller then
+  unpickles the file as before (tests/test_metadata_stock_read.py compares the two, on
+  generated, real and mutated files).
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import secrets
+import struct
+from typing import Any
+
+import numpy as np
+
+from hpckpt.core.codecs.hyperparallel_metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorProperties,
+    TensorStorageMetadata,
+    check_hp_metadata,
+)
+from hpckpt.core.codecs.hyperparallel_metadata_columns_read import ColumnsMetadata, TensorRecords, ValueRecord
+from hpckpt.core.codecs.metadata_schema import dtype_spelling
+from hpckpt.core.safety.unpickle import METADATA, loads
+
+_U32 = struct.Struct("<I").unpack_from
+_U64 = struct.Struct("<Q").unpack_from
+
+FRAME, MEMOIZE, MARK, STOP = 0x95, 0x94, 0x28, 0x2E
+BINGET, LONG_BINGET, STACK_GLOBAL = 0x68, 0x6A, 0x93
+SHORT_BINUNICODE, BINUNICODE, BINUNICODE8 = 0x8C, 0x58, 0x8D
+BININT1, BININT2, BININT, LONG1, NONE = 0x4B, 0x4D, 0x4A, 0x8A, 0x4E
+APPENDS, SETITEMS = 0x65, 0x75
+OBJECT = b")\x81\x94}\x94("  # EMPTY_TUPLE NEWOBJ MEMOIZE EMPTY_DICT MEMOIZE MARK: an object's start
+MAX_DIMS = 8  # a record with more dimensions is left to the unpickler
+_PAD = 64  # zero bytes after the body: a record read past its end reads zeros (then fails)
+
+# Argument bytes of the opcodes the stock pickler writes for a Metadata (-1: a length prefix).
+_ARGS = dict.fromkeys(b"()}]N\x88\x89\x85\x86\x87tusbaeR\x81\x93\x94.", 0)
+_ARGS.update({BININT1: 1, BININT2: 2, BININT: 4, BINGET: 1, LONG_BINGET: 4, 0x47: 8, FRAME: 8})
+_ARGS.update(dict.fromkeys((SHORT_BINUNICODE, BINUNICODE, BINUNICODE8, LONG1, 0x43, 0x42), -1))
+_LENGTH = {SHORT_BINUNICODE: (1, "<B"), BINUNICODE: (4, "<I"), BINUNICODE8: (8, "<Q"), LONG1: (1, "<B"),
+           0x43: (1, "<B"), 0x42: (4, "<I")}
+_TABLE = [None] * 256
+for _op, _n in _ARGS.items():
+    _TABLE[_op] = _n
+_STRING_PUSH = {SHORT_BINUNICODE, BINUNICODE, BINUNICODE8}
+
+_CHUNK, _STORAGE, _HEADER = 0, 1, 2  # records: a chunk, a storage pair, a tensor's head (kept)
+_CHAIN_BIT = 1 << 40  # a marker for a whole run (else for one record)
+_NEEDS = {
+    _HEADER: ((b"TensorStorageMetadata", b"TensorProperties"), (b"properties", b"dtype", b"requires_grad",
+                                                                 b"memory_format", b"size", b"chunks")),
+    _CHUNK: ((b"ChunkStorageMetadata",), (b"offsets", b"sizes")),
+    _STORAGE: ((b"MetadataIndex", b"StorageInfo"), (b"fqn", b"offset", b"index", b"relative_path", b"length",
+                                                    b"tensor_key")),
+}
+_CLASSES = {b"ChunkStorageMetadata": ChunkStorageMetadata, b"MetadataIndex": MetadataIndex,
+            b"StorageInfo": StorageInfo, b"TensorStorageMetadata": TensorStorageMetadata,
+            b"TensorProperties": TensorProperties}
+
+
+_WANTED = {name for classes, names in _NEEDS.values() for name in classes + names}
+
+
+class _NotStock(Exception):
+    """Not (only) what the stock pickler writes for a Metadata: the caller unpickles the file."""
+
+
+def read_stock_columns(data: bytes, where: str = ".metadata") -> ColumnsMetadata | None:
+    """The metadata in `data` as arrays, or None where the safe unpickler must read it."""
+    try:
+        return _StockReader(data, where).read()
+    except Exception:  # noqa: BLE001 - whatever stopped it, the unpickler's path decides (and reports)
+        return None
+
+
+def _ref(index: int) -> bytes:
+    """The memo reference the stock pickler writes for `index`."""
+    return bytes((BINGET, index)) if index < 256 else bytes((LONG_BINGET,)) + struct.pack("<I", index)
+
+
+def _words(arr: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """The 8 bytes at each of `at`, little-endian (`arr` padded)."""
+    windows = np.lib.stride_tricks.as_strided(arr, shape=(len(arr) - 7, 8), strides=(1, 1))
+    return windows[at].view("<u8")[:, 0]
+
+
+def _mask(n: int) -> np.uint64:
+    return np.uint64((1 << (8 * n)) - 1)
+
+
+def _word(const: bytes) -> np.uint64:
+    return np.uint64(int.from_bytes(const, "little"))
+
+
+def _deframe(data: bytes) -> tuple[bytes, int, list[int]]:
+    """The opcodes without the FRAME headers: (body + padding, body length, where each cut was).
+
+    The C unpickler takes a FRAME opcode wherever an opcode may start and only checks that its
+    bytes are there; the stock pickler writes one frame after another from the third byte on."""
+    if len(data) < 3 or data[0] != 0x80 or data[1] not in (4, 5):
+        raise _NotStock("not protocol 4 or 5")
+    view, n, p = memoryview(data), len(data), 2
+    parts, cuts, size = [], [], 0
+    while p < n and data[p] == FRAME:
+        if p + 9 > n:
+            raise _NotStock("a cut frame header")
+        length = _U64(data, p + 1)[0]
+        if p + 9 + length > n:
+            raise _NotStock("a frame past the end")
+        if parts:
+            cuts.append(size)
+        parts.append(view[p + 9:p + 9 + length])
+        size += length
+        p += 9 + length
+    if p < n:
+        if parts:
+            cuts.append(size)
+        parts.append(view[p:])
+        size += n - p
+    parts.append(bytes(_PAD))
+    return b"".join(parts), size, cuts
+
+
+class _Rows:
+    """Records read at once: `p` each one's position in the body, `ok` whether it still matches,
+    `memo` how many memo entries it has made so far. Bytes are read eight at a time (one
+    gather a field, not one a byte)."""
+
+    def __init__(self, arr: np.ndarray, size: int, p: np.ndarray, memo: int):
+        self.arr, self.size = arr, size
+        self.windows = np.lib.stride_tricks.as_strided(arr, shape=(len(arr) - 7, 8), strides=(1, 1))
+        self.p = p.astype(np.int64)
+        self.ok = np.ones(len(p), bool)
+        self.memo = np.full(len(p), memo, np.int64)
+
+    def _settle(self) -> None:
+        """Keep reads inside the padded body: a row past its end reads zeros, which no record's
+        opcodes are, so it fails the next byte it is matched against."""
+        np.minimum(self.p, self.size, out=self.p)
+
+    def byte(self, k: int = 0) -> np.ndarray:
+        return self.arr[self.p + k]
+
+    def word(self, k: int = 0) -> np.ndarray:
+        """The 8 bytes at each row's p + k, little-endian."""
+        return self.windows[self.p + k].view("<u8")[:, 0]
+
+    def expect(self, const: bytes) -> None:
+        for k in range(0, len(const), 8):
+            piece = const[k:k + 8]
+            mask = np.uint64((1 << (8 * len(piece))) - 1)
+            self.ok &= (self.word(k) & mask) == np.uint64(int.from_bytes(piece, "little"))
+        self.p += len(const)
+        self._settle()
+
+    def memoize(self, where: np.ndarray | None = None) -> None:
+        """A MEMOIZE (where `where`)."""
+        if where is None:
+            self.ok &= self.byte() == MEMOIZE
+            self.p += 1
+            self.memo += 1
+        else:
+            self.ok &= ~where | (self.byte() == MEMOIZE)
+            self.p += where
+            self.memo += where
+        self._settle()
+
+    def _le(self, start: int, nbytes: int) -> np.ndarray:
+        return (self.word(start) & np.uint64((1 << (8 * nbytes)) - 1)).astype(np.int64)
+
+    def integer(self, where: np.ndarray | None = None) -> np.ndarray:
+        """An int (BININT1, BININT2, BININT, or LONG1 of up to 8 bytes)."""
+        rows = self.ok if where is None else self.ok & where
+        w = self.word()
+        op = (w & np.uint64(0xFF)).astype(np.uint8)
+        k, m, j, long1 = op == BININT1, op == BININT2, op == BININT, op == LONG1
+        self.ok &= ~rows | k | m | j | long1
+        arg = (w >> np.uint64(8)).astype(np.int64)
+        width = np.where(k, 2, np.where(m, 3, 5))
+        four = arg & 0xFFFFFFFF
+        value = np.where(k, arg & 0xFF, np.where(m, arg & 0xFFFF, four - ((four >> 31) << 32)))
+        if (rows & long1).any():
+            nbytes = arg & 0xFF
+            self.ok &= ~(rows & long1) | (nbytes <= 8)
+            n = nbytes.clip(1, 8).astype(np.uint64)
+            shift = np.uint64(64) - n * np.uint64(8)
+            raw = self.word(2) << shift  # its bytes at the top, then shifted back with the sign
+            signed = raw.view(np.int64) >> shift.astype(np.int64)
+            value = np.where(long1, np.where(nbytes == 0, 0, signed), value)
+            width = np.where(long1, 2 + nbytes, width)
+        self.p += np.where(rows, width, 0)
+        self._settle()
+        return value
+
+    def int_tuple(self) -> tuple[np.ndarray, np.ndarray]:
+        """A tuple of ints as the stock pickler writes it: () unmemoised; 1-3 items and TUPLEn;
+        more between MARK and TUPLE. Returns (values [rows, most items read], count)."""
+        op = self.byte()
+        empty, marked = op == 0x29, op == MARK
+        self.p += empty | marked
+        columns = []
+        count = np.zeros(len(self.p), np.int64)
+        active = self.ok & ~empty
+        for d in range(MAX_DIMS + 1):
+            op = self.byte()
+            more = active & ((op == BININT1) | (op == BININT2) | (op == BININT) | (op == LONG1))
+            if not more.any():
+                break
+            if d == MAX_DIMS:
+                self.ok &= ~more
+                break
+            columns.append(np.where(more, self.integer(more), 0))
+            count += more
+            active = more
+        close = self.byte()
+        short = np.where(count == 1, close == 0x85, np.where(count == 2, close == 0x86, close == 0x87))
+        self.ok &= empty | np.where(marked, (count > 3) & (close == 0x74), (count >= 1) & (count <= 3) & short)
+        self.p += ~empty
+        self.memoize(~empty)
+        values = np.stack(columns, axis=1) if columns else np.zeros((len(self.p), 0), np.int64)
+        return values, count
+
+    def string(self, none: bool = False) -> tuple[np.ndarray, ...]:
+        """A str pushed (then memoised) or a memo reference (or None, if `none`): (kind: 0 pushed,
+        1 reference, 2 None; start, length of a pushed one; memo index: its place in the record's
+        (its own) or the one referred to; the record's memo entries before it)."""
+        op = self.byte()
+        short, long, h, j = op == SHORT_BINUNICODE, op == BINUNICODE, op == BINGET, op == LONG_BINGET
+        is_none = (op == NONE) if none else np.zeros(len(op), bool)
+        self.ok &= short | long | h | j | is_none
+        b1 = self.byte(1).astype(np.int64)
+        four = self._le(1, 4)
+        length = np.where(short, b1, np.where(long, four, 0))
+        start = self.p + np.where(short, 2, 5)
+        ref = np.where(h, b1, four)
+        pushed = short | long
+        kind = np.where(pushed, 0, np.where(is_none, 2, 1))
+        self.p = np.where(pushed, start + length, self.p + np.where(h, 2, np.where(j, 5, 1)))
+        self._settle()
+        at = self.memo.copy()
+        memo = np.where(pushed, self.memo, ref)
+        self.memoize(pushed)
+        return kind, start, length, memo, at
+
+
+class _Walk:
+    """The opcodes of the skeleton, one at a time: what the memo holds (as far as needed to
+    learn the records' references), where runs of records start, and what to hand the unpickler."""
+
+    def __init__(self, reader: _StockReader):
+        self.r = reader
+        self.strings: dict[int, bytes] = {}  # memo index -> a str pushed there (while learning)
+        self.first_string: dict[bytes, int] = {}
+        self.first_global: dict[bytes, int] = {}
+        self.learning = True
+
+    def run(self) -> None:
+        r = self.r
+        d, size, table = r.body, r.size, _TABLE
+        cuts, ci = r.cuts + [size + 1], 0
+        p = memo = 0
+        prev = -1
+        last2: list[bytes | None] = [None, None]
+        pushed: bytes | None = None
+        glob: bytes | None = None
+        keep_from = 0
+        segments = r.segments
+        chain_at = r.chain_at
+        stop = None
+        while p < size:
+            if cuts[ci] <= p:
+                if cuts[ci] < p:
+                    raise _NotStock("a frame cut inside an opcode")
+                while cuts[ci] == p:
+                    ci += 1
+            op = d[p]
+            n = table[op]
+            if n is None:
+                raise _NotStock(f"opcode {op:#x}")
+            if op == BINGET or op == LONG_BINGET:
+                if chain_at and p in chain_at:
+                    kind, chain = chain_at[p]
+                    if kind == _HEADER:  # a tensor's head, up to its chunks: kept, walked at once
+                        end = r.enter_header(chain, memo)
+                        memo += r.chain_memo(kind, chain)
+                        while cuts[ci] < end:
+                            r.inner_cuts.append(cuts[ci])
+                            ci += 1
+                        p, prev = end, MARK
+                        continue
+                    if keep_from < p:
+                        segments.append(("bytes", keep_from, p))
+                    end = r.enter_chain(kind, chain, memo, prev == MARK)
+                    memo += r.chain_memo(kind, chain)
+                    while cuts[ci] < end:  # cuts inside the run: checked with its records
+                        r.inner_cuts.append(cuts[ci])
+                        ci += 1
+                    r.closing.append((kind, chain, end))
+                    p = keep_from = end
+                    prev = -2
+                    continue
+                index = d[p + 1] if op == BINGET else _U32(d, p + 1)[0]
+                if index >= memo:
+                    raise _NotStock("a memo reference ahead of the memo")
+                if r.in_run_memo(index):
+                    r.run_refs.add(index)  # must be a string a record pushed: the marker pushes it too
+                if self.learning:
+                    last2 = [last2[1], self.strings.get(index)]
+                p += 1 + n
+            elif n >= 0:
+                if op == MEMOIZE:
+                    if self.learning:
+                        if prev in _STRING_PUSH:
+                            self.strings[memo] = pushed
+                            if pushed in _WANTED and pushed not in self.first_string:
+                                self.first_string[pushed] = memo
+                                self.learn(memo, p)
+                        elif prev == STACK_GLOBAL and glob in _WANTED and glob not in self.first_global:
+                            self.first_global[glob] = memo
+                            self.learn(memo, p)
+                    memo += 1
+                elif op == STOP:
+                    stop = p
+                    break
+                elif op == FRAME:
+                    raise _NotStock("a frame not where the last one ended")
+                elif op == STACK_GLOBAL:
+                    glob = last2[1] if last2[0] is not None else None
+                p += 1 + n
+            else:
+                width, fmt = _LENGTH[op]
+                length = struct.unpack_from(fmt, d, p + 1)[0]
+                end = p + 1 + width + length
+                if end > size:
+                    raise _NotStock("an argument past the end")
+                if op in _STRING_PUSH and self.learning:
+                    pushed = bytes(d[p + 1 + width:end])
+                    last2 = [last2[1], pushed]
+                p = end
+            prev = op
+        if stop is None or stop + 1 != size:
+            raise _NotStock("no STOP at the end")
+        if cuts[ci] <= size:
+            raise _NotStock("a frame cut after the STOP")
+        if keep_from < stop:
+            segments.append(("bytes", keep_from, stop))
+        r.final_memo = memo
+        for (kind, chain), base in r.chain_base.items():
+            r.runs[kind]["chain_base"][chain] = base
+        r.finish_rows()
+        r.check_closing()
+        r.check_header_refs()
+
+    def learn(self, memo: int, p: int) -> None:
+        """Once the classes and field names of a record are in the memo, find its runs ahead."""
+        for kind in (_HEADER, _CHUNK, _STORAGE):
+            if kind in self.r.refs:
+                continue
+            classes, names = _NEEDS[kind]
+            found = [self.first_global.get(c) for c in classes] + [self.first_string.get(s) for s in names]
+            if None not in found:
+                self.r.refs[kind] = dict(zip(classes + names, found))
+                self.r.find_runs(kind, p + 1)
+        if len(self.r.refs) == 3:
+            self.learning = False
+
+
+class _StockReader:
+    def __init__(self, data: bytes, where: str):
+        self.data, self.where = data, where
+        self.body, self.size, self.cuts = _deframe(data)
+        self.arr = np.frombuffer(self.body, np.uint8)
+        self.refs: dict[int, dict[bytes, int]] = {}
+        self.runs: dict[int, dict[str, np.ndarray]] = {}  # per kind: record and chain columns
+        self.chain_at: dict[int, tuple[int, int]] = {}  # body position -> (kind, chain)
+        self.segments: list[Any] = []  # (start, end) of the skeleton, or (kind, chain, whole)
+        self.entered: list[tuple[int, int, int, bool]] = []  # (kind, chain, memo base, after MARK)
+        self.closing: list[tuple[int, int, int]] = []
+        self.inner_cuts: list[int] = []
+        self.run_refs: set[int] = set()  # memo entries of runs the skeleton refers to
+        self.chain_base: dict[tuple[int, int], int] = {}
+        self.chain_lists: dict[int, tuple[list, list]] = {}  # per kind: each run's end and memo entries
+        self.spliced: dict[int, bytes] = {}  # memo index -> the opcodes that put its string there
+        self.run_memo_lo: list[int] = []
+        self.run_memo_hi: list[int] = []
+        self.final_memo = 0
+        self._objects: np.ndarray | None = None
+
+    # --- finding runs ------------------------------------------------------------------------
+    def objects(self) -> np.ndarray:
+        """Where each `OBJECT` sequence starts (its EMPTY_TUPLE): NEWOBJ bytes found a block at a
+        time (no mask as large as the file), then the bytes around each compared as one word."""
+        if self._objects is None:
+            block, found = 1 << 22, []
+            mask = np.empty(block, bool)
+            for lo in range(0, self.size, block):
+                part = self.arr[lo:min(lo + block, self.size)]
+                np.equal(part, 0x81, out=mask[:len(part)])
+                found.append(np.flatnonzero(mask[:len(part)]) + (lo - 1))
+            at = np.concatenate(found)
+            at = at[at >= 8]
+            at = at[_words(self.arr, at) & _mask(len(OBJECT)) == _word(OBJECT)]
+            # the 8 bytes before and after each: a class reference, a field name's
+            self._objects = (at, _words(self.arr, at - 8), _words(self.arr, at + len(OBJECT)))
+        return self._objects
+
+    def _starting(self, head: bytes, after: bytes, start: int) -> np.ndarray:
+        """Positions of `head + OBJECT + after` at or after `start` (head, after: up to 8 bytes)."""
+        at, before, following = self.objects()
+        keep = (before >> np.uint64(8 * (8 - len(head)))) == _word(head)
+        keep &= (following & _mask(len(after))) == _word(after)
+        keep &= at >= start + len(head)
+        return at[keep] - len(head)
+
+    def find_runs(self, kind: int, start: int) -> None:
+        refs = {k: _ref(v) for k, v in self.refs[kind].items()}
+        if kind == _CHUNK:
+            starts = self._starting(refs[b"ChunkStorageMetadata"], refs[b"offsets"], start)
+            rows = self._chunk_rows(starts, refs)
+        elif kind == _HEADER:
+            starts = self._starting(refs[b"TensorStorageMetadata"], refs[b"properties"], start)
+            rows = self._header_rows(starts, refs)
+        else:
+            starts = self._starting(refs[b"MetadataIndex"], refs[b"fqn"], start)
+            rows = self._storage_rows(starts, refs)
+        ok = rows.pop("ok") & (rows["end"] < self.size)  # rows that are not records stay (not copied), in no run
+        cols = rows
+        cols["start"] = starts
+        s, e = starts, cols["end"]
+        memo = np.where(ok, cols["memo"], 0)
+        linked = np.zeros(len(s), bool)
+        linked[1:] = ok[:-1] & ok[1:] & (e[:-1] == s[1:])
+        opens = ok & ~linked
+        first = np.flatnonzero(opens)
+        last = np.flatnonzero(ok & ~np.append(linked[1:], False))
+        count = last - first + 1
+        chain_of = np.cumsum(opens) - 1
+        chain_of[~ok] = -1
+        cumulative = np.cumsum(memo)
+        before = (cumulative - memo)[first]
+        ends = cumulative[last] if len(last) else np.zeros(0, np.int64)
+        cols["chain_of"] = chain_of
+        cols["within"] = cumulative - memo - np.where(ok, before[chain_of.clip(0)] if len(first) else 0, 0)
+        cols["chain_first"], cols["chain_count"], cols["chain_memo"] = first, count, ends - before
+        cols["chain_base"] = np.full(len(first), -1, np.int64)  # memo index at the run's start, once entered
+        self.chain_lists[kind] = (e[last].tolist(), (ends - before).tolist())
+        self.runs[kind] = cols
+        for chain, at in enumerate(s[first].tolist()):
+            self.chain_at[at] = (kind, chain)
+
+    def finish_rows(self) -> None:
+        """Each record's memo index at its start (-1: its run was not entered)."""
+        for cols in self.runs.values():
+            chain = cols["chain_of"]
+            base = cols["chain_base"][chain.clip(0)] if len(cols["chain_base"]) else np.full(len(chain), -1)
+            cols["row_base"] = np.where((chain >= 0) & (base >= 0), base + cols["within"], -1)
+
+    def _chunk_rows(self, starts: np.ndarray, refs: dict[bytes, bytes]) -> dict[str, np.ndarray]:
+        head = len(refs[b"ChunkStorageMetadata"]) + len(OBJECT) + len(refs[b"offsets"])
+        rows = _Rows(self.arr, self.size, starts + head, 2)
+        offsets, n1 = rows.int_tuple()
+        rows.expect(refs[b"sizes"])
+        sizes, n2 = rows.int_tuple()
+        rows.expect(b"ub")
+        rows.ok &= n1 == n2
+        return {"ok": rows.ok, "end": rows.p, "memo": rows.memo, "ndim": n1, "offsets": offsets, "sizes": sizes}
+
+    def _header_rows(self, starts: np.ndarray, refs: dict[bytes, bytes]) -> dict[str, np.ndarray]:
+        """`TensorStorageMetadata(TensorProperties(dtype, requires_grad, memory_format), size, [`
+        up to the MARK its chunks follow."""
+        head = len(refs[b"TensorStorageMetadata"]) + len(OBJECT) + len(refs[b"properties"])
+        rows = _Rows(self.arr, self.size, starts + head, 2)
+        rows.expect(refs[b"TensorProperties"] + OBJECT + refs[b"dtype"])
+        rows.memo += 2
+        dtype = rows.string()
+        rows.expect(refs[b"requires_grad"])
+        flag = rows.byte()
+        rows.ok &= (flag == 0x88) | (flag == 0x89)
+        rows.p += 1
+        rows.expect(refs[b"memory_format"])
+        memory_format = rows.string(none=True)
+        rows.expect(b"ub" + refs[b"size"])
+        rows.int_tuple()
+        rows.expect(refs[b"chunks"] + b"]")
+        rows.memoize()
+        rows.expect(b"(")
+        out = {"ok": rows.ok, "end": rows.p, "memo": rows.memo}
+        for name, (kind, _start, _length, memo, _at) in (("dtype", dtype), ("format", memory_format)):
+            out.update({f"{name}_kind": kind, f"{name}_memo": memo})
+        return out
+
+    def enter_header(self, chain: int, memo: int) -> int:
+        self.chain_base[(_HEADER, chain)] = memo
+        return self.chain_lists[_HEADER][0][chain]
+
+    def check_header_refs(self) -> None:
+        """The heads' strings referred to (a dtype, a memory format) are not a run's memo entries."""
+        cols = self.runs.get(_HEADER)
+        if cols is None or not self.run_memo_lo:
+            return
+        used = cols["row_base"] >= 0
+        lo, hi = np.array(self.run_memo_lo, np.int64), np.array(self.run_memo_hi, np.int64)
+        for name in ("dtype", "format"):
+            refs = cols[f"{name}_memo"][used & (cols[f"{name}_kind"] == 1)]
+            at = np.searchsorted(lo, refs, "right") - 1
+            if ((at >= 0) & (refs < hi[at.clip(0)])).any():
+                raise _NotStock("a tensor's head refers into a run")
+
+    def _storage_rows(self, starts: np.ndarray, refs: dict[bytes, bytes]) -> dict[str, np.ndarray]:
+        head = len(refs[b"MetadataIndex"]) + len(OBJECT) + len(refs[b"fqn"])
+        rows = _Rows(self.arr, self.size, starts + head, 2)
+        fqn = rows.string()
+        rows.expect(refs[b"offset"])
+        offsets, ndim = rows.int_tuple()
+        rows.ok &= ndim > 0
+        rows.expect(refs[b"index"])
+        index = rows.integer()
+        rows.expect(b"ub")
+        key_memo = rows.memo.copy()
+        rows.expect(refs[b"StorageInfo"] + OBJECT + refs[b"relative_path"])
+        rows.memo += 2
+        path = rows.string()
+        rows.expect(refs[b"offset"])
+        rows.integer()
+        rows.expect(refs[b"length"])
+        rows.integer()
+        rows.expect(refs[b"tensor_key"])
+        key = rows.string(none=True)
+        rows.expect(b"ub")
+        out = {"ok": rows.ok, "end": rows.p, "memo": rows.memo, "key_memo": key_memo, "ndim": ndim,
+               "offsets": offsets, "index": index}
+        for name, (kind, start, length, memo, at) in (("fqn", fqn), ("path", path), ("key", key)):
+            out.update({f"{name}_kind": kind, f"{name}_start": start, f"{name}_length": length,
+                        f"{name}_memo": memo, f"{name}_at": at})
+        return out
+
+    # --- the walk's bookkeeping --------------------------------------------------------------
+    def enter_chain(self, kind: int, chain: int, memo: int, after_mark: bool) -> int:
+        ends, totals = self.chain_lists[kind]
+        total = totals[chain]
+        self.entered.append((kind, chain, memo, after_mark))
+        self.chain_base[(kind, chain)] = memo
+        self.segments.append(("run", kind, chain))
+        if total:
+            if self.run_memo_lo and memo < self.run_memo_hi[-1]:
+                raise _NotStock("runs out of order")
+            self.run_memo_lo.append(memo)
+            self.run_memo_hi.append(memo + total)
+        return ends[chain]
+
+    def chain_memo(self, kind: int, chain: int) -> int:
+        return self.chain_lists[kind][1][chain]
+
+    def in_run_memo(self, index: int) -> bool:
+        lo = self.run_memo_lo
+        if not lo or index < lo[0]:
+            return False
+        return index < self.run_memo_hi[bisect.bisect_right(lo, index) - 1]
+
+    def check_closing(self) -> None:
+        """A run is one marker where it is all of a batch: MARK before it, APPENDS (chunks) or
+        SETITEMS (storage pairs) right after; else a marker per record. And every frame cut
+        inside a run is between two of a record's opcodes."""
+        self.whole = {}
+        for (kind, chain, _memo, after_mark), (_k, _c, end) in zip(self.entered, self.closing):
+            self.whole[(kind, chain)] = after_mark and self.body[end] == (APPENDS if kind == _CHUNK else SETITEMS)
+        for cut in self.inner_cuts:
+            self._check_cut(cut)
+
+    def _check_cut(self, cut: int) -> None:
+        for cols in self.runs.values():
+            s = cols["start"]
+            i = int(np.searchsorted(s, cut, "right")) - 1
+            if i >= 0 and cols["end"][i] > cut and cols["row_base"][i] >= 0:
+                if cut not in _opcode_starts(self.body, int(s[i]), int(cols["end"][i])):
+                    raise _NotStock("a frame cut inside a record's opcode")
+                return
+        raise _NotStock("a frame cut in no record")
+
+    # --- the skeleton ------------------------------------------------------------------------
+    def read(self) -> ColumnsMetadata:
+        _Walk(self).run()
+        if _CHUNK not in self.runs and _STORAGE not in self.runs:
+            raise _NotStock("no runs of records")
+        nonce = (secrets.randbits(59) | (1 << 59)) << 1
+        self._strings_referred()
+        needed = self._needed_refs()
+        pieces: list[Any] = [b"\x80\x04"]
+        body = memoryview(self.body)
+        for what, a, b in self.segments:
+            pieces.append(self._markers(a, b, nonce) if what == "run" else body[a:b])
+        pieces.append(b"(" + b"".join(_ref(i) for i in needed) + b"t\x86.")
+        # One frame around it all: the C unpickler then reads the file once, not once an opcode.
+        size = sum(len(piece) for piece in pieces) - 2
+        pieces.insert(1, bytes((FRAME,)) + struct.pack("<Q", size))
+        skeleton = b"".join(pieces)
+        del pieces, body
+        loaded = loads(skeleton, what=self.where, kind=METADATA)
+        if type(loaded) is not tuple or len(loaded) != 2 or type(loaded[0]) is not Metadata:
+            raise _NotStock("the skeleton is not a Metadata")
+        metadata, values = loaded
+        memo_values = dict(zip(needed, values))
+        self._check_refs(memo_values)
+        return _Assembly(self, metadata, memo_values, nonce).columns()
+
+    def _needed_refs(self) -> list[int]:
+        """Memo indexes the runs' records refer to outside the runs (their classes, field names,
+        and strings the skeleton pushed): read back from the skeleton's unpickler at its end."""
+        wanted = set()
+        for refs in self.refs.values():
+            wanted.update(refs.values())
+        cols = self.runs.get(_STORAGE)
+        if cols is not None:
+            used = cols["row_base"] >= 0
+            for name in ("fqn", "path", "key"):
+                is_ref = used & (cols[f"{name}_kind"] == 1)
+                wanted.update(np.unique(cols[f"{name}_memo"][is_ref]).tolist())
+        lo, hi = np.array(self.run_memo_lo, np.int64), np.array(self.run_memo_hi, np.int64)
+        out = []
+        for index in sorted(wanted):
+            i = int(np.searchsorted(lo, index, "right")) - 1
+            if i < 0 or index >= hi[i]:
+                out.append(index)
+        return out
+
+    def _strings_referred(self) -> None:
+        """The skeleton refers to a few strings that records pushed (a file's name, first met
+        in a record): each must be one, and its marker pushes and memoises it in the same place."""
+        if not self.run_refs:
+            return
+        cols = self.runs.get(_STORAGE)
+        if cols is None:
+            raise _NotStock("a reference into a run of chunks")
+        used = cols["row_base"] >= 0
+        for name in ("fqn", "path", "key"):
+            sel = used & (cols[f"{name}_kind"] == 0)
+            memo = cols["row_base"][sel] + cols[f"{name}_memo"][sel]
+            hit = np.isin(memo, np.array(sorted(self.run_refs), np.int64))
+            for index, start, length in zip(memo[hit].tolist(), cols[f"{name}_start"][sel][hit].tolist(),
+                                            cols[f"{name}_length"][sel][hit].tolist()):
+                raw = self.body[start:start + length]
+                push = (bytes((SHORT_BINUNICODE, length)) if length < 256 else
+                        bytes((BINUNICODE,)) + struct.pack("<I", length))
+                self.spliced[index] = push + raw + b"\x940"  # push, MEMOIZE, POP
+        if set(self.spliced) != self.run_refs:
+            raise _NotStock("a reference to a run's memo entry that is not a string")
+
+    def _spliced_in(self, base: int, total: int) -> list[int]:
+        if not self.spliced:
+            return []
+        if not hasattr(self, "_spliced_order"):
+            self._spliced_order = sorted(self.spliced)
+        order = self._spliced_order
+        return order[bisect.bisect_left(order, base):bisect.bisect_left(order, base + total)]
+
+    def _markers(self, kind: int, chain: int, nonce: int) -> bytes:
+        cols = self.runs[kind]
+        first, count = int(cols["chain_first"][chain]), int(cols["chain_count"][chain])
+        tail = b"N" if kind == _STORAGE else b""
+        head = 10 + len(tail)
+        base = self.chain_base[(kind, chain)]
+        if self.whole[(kind, chain)]:
+            ident = nonce + _CHAIN_BIT + chain
+            total = int(cols["chain_memo"][chain])
+            out = b"\x8a\x08" + ident.to_bytes(8, "little") + tail + b"\x94" * total
+            slots = {head + i - base: self.spliced[i] for i in self._spliced_in(base, total)}
+        else:
+            memo = cols["memo"][first:first + count]
+            width = head + memo
+            at = np.cumsum(width) - width
+            buf = np.full(int(width.sum()), MEMOIZE, np.uint8)
+            idents = (np.arange(first, first + count, dtype=np.uint64) + np.uint64(nonce)).view(np.uint8)
+            buf[at] = LONG1
+            buf[at + 1] = 8
+            buf[at[:, None] + 2 + np.arange(8)] = idents.reshape(count, 8)
+            if tail:
+                buf[at + 10] = NONE
+            out = buf.tobytes()
+            slots = {}
+            total = int(memo.sum())
+            if self.spliced:
+                bases = cols["row_base"][first:first + count]
+                for i in self._spliced_in(base, total):
+                    row = int(np.searchsorted(bases, i, "right")) - 1
+                    slots[int(at[row]) + head + i - int(bases[row])] = self.spliced[i]
+        for position in sorted(slots, reverse=True):
+            out = out[:position] + slots[position] + out[position + 1:]
+        return out
+
+    def _check_refs(self, memo_values: dict[int, Any]) -> None:
+        """The classes and field names the records were matched against are what the memo holds."""
+        for refs in self.refs.values():
+            for name, index in refs.items():
+                value = memo_values.get(index)
+                expected = _CLASSES.get(name)
+                if expected is not None:
+                    if value is not expected:
+                        raise _NotStock(f"memo {index} is not {name!r}")
+                elif type(value) is not str or value != name.decode():
+                    raise _NotStock(f"memo {index} is not the field name {name!r}")
+
+
+def _opcode_starts(body: bytes, start: int, end: int) -> set[int]:
+    """Where the opcodes of body[start:end] start (one record: a few dozen)."""
+    out, p = set(), start
+    while p < end:
+        out.add(p)
+        op = body[p]
+        n = _TABLE[op]
+        if n is None:
+            raise _NotStock("a record with an unknown opcode")
+        if n >= 0:
+            p += 1 + n
+        else:
+            width, fmt = _LENGTH[op]
+            p += 1 + width + struct.unpack_from(fmt, body, p + 1)[0]
+    return out
+
+
+class _Assembly:
+    """The records put back where the skeleton's markers say, checked as the unpickler's index would be."""
+
+    def __init__(self, reader: _StockReader, metadata: Metadata, memo_values: dict[int, Any], nonce: int):
+        self.r, self.metadata, self.memo_values, self.nonce = reader, metadata, memo_values, nonce
+        self.strings: list[Any] = [None]
+        self.string_ids: dict[Any, int] = {None: 0}
+        self._pushed_cache: tuple[np.ndarray, np.ndarray] | None = None
+
+    def string_id(self, value: Any) -> int:
+        found = self.string_ids.get(value)
+        if found is None:
+            found = self.string_ids[value] = len(self.strings)
+            self.strings.append(value)
+        return found
+
+    def _rows(self, kind: int, items: list) -> tuple[np.ndarray, list[tuple[int, Any]]]:
+        """The record rows the markers among `items` stand for, in order, and the other items
+        with their places (counted in chunks or entries, markers expanded)."""
+        cols = self.r.runs.get(kind)
+        parts, others, placed = [], [], 0
+        for x in items:
+            if type(x) is int:
+                o = x - self.nonce
+                if cols is None or not 0 <= o < 2 * _CHAIN_BIT:
+                    raise _NotStock("an int where a record was")
+                if o >= _CHAIN_BIT:
+                    chain = o - _CHAIN_BIT
+                    if chain >= len(cols["chain_first"]):
+                        raise _NotStock("a marker of no run")
+                    first, count = int(cols["chain_first"][chain]), int(cols["chain_count"][chain])
+                    parts.append(np.arange(first, first + count))
+                    placed += count
+                else:
+                    parts.append(np.array([o]))
+                    placed += 1
+            else:
+                others.append((placed, x))
+                placed += 1
+        rows = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return rows, others
+
+    def columns(self) -> ColumnsMetadata:
+        md = self.metadata
+        state = md.__dict__.get("state_dict_metadata")
+        storage = md.__dict__.get("storage_data")
+        if type(state) is not dict or type(storage) is not dict:
+            raise _NotStock("state_dict_metadata or storage_data not a dict")
+        keys = list(storage)
+        key_rows, real_keys = self._rows(_STORAGE, keys)
+        if any(storage[k] is not None for k in keys if type(k) is int):
+            raise _NotStock("a record's value is not its marker's")
+        real = {k: storage[k] for _at, k in real_keys}
+        probe = copy.copy(md)
+        probe.__dict__["storage_data"] = real
+        check_hp_metadata(probe, len(self.r.data), self.r.where)
+        tensors, values, chunk_rows, chunk_others = [], [], [], []
+        for fqn, item in state.items():
+            if type(item) is TensorStorageMetadata:
+                rows, others = self._rows(_CHUNK, item.chunks)
+                tensors.append((fqn, item))
+                chunk_rows.append(rows)
+                chunk_others.append(others)
+            elif type(item) is BytesStorageMetadata:
+                values.append(fqn)
+            else:
+                raise _NotStock("an entry of another class")
+        for kind, rows in ((_CHUNK, chunk_rows), (_STORAGE, [key_rows])):
+            cols = self.r.runs.get(kind)
+            flat = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+            entered = np.flatnonzero(cols["row_base"] >= 0) if cols is not None else flat[:0]
+            if not np.array_equal(flat, entered):
+                raise _NotStock("markers missing, repeated or out of order")
+        return self._assemble(tensors, values, chunk_rows, chunk_others, key_rows, real)
+
+    def _assemble(self, tensors, values, chunk_rows, chunk_others, key_rows, real) -> ColumnsMetadata:
+        where = self.r.where
+        ndims, dtypes, shapes = [], [], []
+        for fqn, item in tensors:
+            dtypes.append(dtype_spelling(item.properties, f"{where}: tensor {fqn}"))
+            size = item.size
+            if not isinstance(size, (tuple, list)) or len(size) > MAX_DIMS:
+                raise _NotStock("a shape that is not a short sequence")
+            ndims.append(len(size))
+            shapes.append(size)
+        counts = np.array([len(r) + len(o) for r, o in zip(chunk_rows, chunk_others)], np.int64)
+        total = int(counts.sum())
+        firsts = np.cumsum(counts) - counts
+        ndim_of = np.array(ndims, np.int64)
+        owner = np.repeat(np.arange(len(tensors)), counts)
+        cc = self.r.runs.get(_CHUNK)
+        width = max(ndims, default=0)  # columns used of the records' MAX_DIMS
+        offsets = np.zeros((total, width), np.int64)
+        sizes = np.zeros((total, width), np.int64)
+        if cc is not None and total:
+            flat = np.concatenate(chunk_rows)
+            place = np.ones(total, bool)
+            for t, others in enumerate(chunk_others):
+                for at, chunk in others:
+                    o, z = _real_chunk(chunk, ndims[t])
+                    i = int(firsts[t]) + at
+                    offsets[i, :ndims[t]], sizes[i, :ndims[t]] = o, z
+                    place[i] = False
+            dest = np.flatnonzero(place)
+            if not np.array_equal(cc["ndim"][flat], ndim_of[owner[dest]]):
+                raise _NotStock("a chunk of another number of dimensions")
+            offsets[dest], sizes[dest] = _width(cc["offsets"][flat], width), _width(cc["sizes"][flat], width)
+        elif total:
+            raise _NotStock("chunks and no run of them")
+        if (offsets < 0).any() or (sizes < 0).any():
+            raise _NotStock("a negative offset or size")
+        # storage_data: exactly one entry per chunk, at its position (index) and with its offsets
+        tensor_of = np.full(len(tensors), -1, np.int64)
+        for t, (fqn, _item) in enumerate(tensors):
+            tensor_of[t] = self.string_id(fqn)
+        by_string = np.full(len(self.strings), -1, np.int64)
+        by_string[tensor_of] = np.arange(len(tensors))
+        s_t, s_i, s_off, s_file, s_key = self._storage_columns(key_rows, by_string, ndim_of, width)
+        extra_files: list[int] = []
+        more: list[tuple] = []
+        fqn_ids = {fqn: t for t, (fqn, _item) in enumerate(tensors)}
+        for key, info in real.items():
+            t = fqn_ids.get(key.fqn)
+            if t is None:
+                extra_files.append(self.string_id(info.relative_path))
+                continue
+            index, offs = key.index, key.offset
+            if type(index) is not int or type(offs) is not tuple or len(offs) != ndims[t] or \
+                    any(type(x) is not int for x in offs):
+                raise _NotStock("a chunk's storage key of another form")
+            more.append((t, index, offs + (0,) * (width - len(offs)), self.string_id(info.relative_path),
+                         self.string_id(info.tensor_key)))
+        if more:
+            t_, i_, o_, f_, k_ = zip(*more)
+            s_t, s_i = np.append(s_t, t_), np.append(s_i, i_)
+            s_off = np.concatenate([s_off, np.array(o_, np.int64).reshape(len(o_), width)])
+            s_file, s_key = np.append(s_file, f_), np.append(s_key, k_)
+        if len(s_t) != total or ((s_i < 0) | (s_i >= counts[s_t])).any():
+            raise _NotStock("storage entries that are not one per chunk")
+        g = firsts[s_t] + s_i
+        if total and np.bincount(g, minlength=total).max() != 1:
+            raise _NotStock("two storage entries for one chunk")
+        files, keys = np.zeros(total, np.int64), np.zeros(total, np.int64)
+        files[g], keys[g] = s_file, s_key
+        stored = np.zeros((total, width), np.int64)
+        stored[g] = s_off
+        if not np.array_equal(stored, offsets):
+            raise _NotStock("a storage key's offsets are not its chunk's")
+        if _repeated_boxes(owner, offsets):
+            raise _NotStock("chunks of one tensor at equal offsets (the dict keeps one entry for them)")
+        out = []
+        for t, (fqn, _item) in enumerate(tensors):
+            a, b, d = int(firsts[t]), int(firsts[t] + counts[t]), ndims[t]
+            out.append(TensorRecords(fqn, dtypes[t], shapes[t], np.ascontiguousarray(offsets[a:b, :d]),
+                                     np.ascontiguousarray(sizes[a:b, :d]), files[a:b], keys[a:b]))
+        value_storage = []
+        for fqn in values:
+            info = real.get(MetadataIndex(fqn))
+            if info is not None:
+                value_storage.append(ValueRecord(fqn, info.relative_path, getattr(info, "offset", None),
+                                                 getattr(info, "length", None)))
+        strings = np.array(self.strings + [None], dtype=object)[:-1]
+        file_refs = np.unique(np.concatenate([files, np.array(extra_files, np.int64)]))
+        md = self.metadata
+        return ColumnsMetadata(out, values, value_storage, strings, md.planner_data,
+                               md.__dict__.get("version", "1.0"), file_refs)
+
+    def _storage_columns(self, key_rows: np.ndarray, by_string: np.ndarray, ndim_of: np.ndarray, width: int):
+        cols = self.r.runs.get(_STORAGE)
+        if cols is None or not len(key_rows):
+            empty = np.zeros(0, np.int64)
+            return empty, empty, np.zeros((0, width), np.int64), empty, empty
+        fqn = self._string_column(cols, key_rows, "fqn")
+        known = fqn < len(by_string)
+        tensor = np.where(known, by_string[np.where(known, fqn, 0)], -1)
+        if (tensor < 0).any():
+            raise _NotStock("a storage entry of no tensor")
+        if not np.array_equal(cols["ndim"][key_rows], ndim_of[tensor]):
+            raise _NotStock("a storage key of another number of dimensions")
+        return (tensor, cols["index"][key_rows], _width(cols["offsets"][key_rows], width),
+                self._string_column(cols, key_rows, "path"),
+                self._string_column(cols, key_rows, "key"))
+
+    def _string_column(self, cols: dict, rows: np.ndarray, name: str) -> np.ndarray:
+        """String ids of field `name` of `rows`: pushed ones decoded once per distinct bytes,
+        references resolved to a string an entered record pushed earlier, or to the skeleton's memo."""
+        kind = cols[f"{name}_kind"][rows]
+        memo = cols[f"{name}_memo"][rows]
+        base = cols["row_base"][rows]
+        out = np.zeros(len(rows), np.int64)  # 0: None
+        pushed_ids, pushed_memo = self._pushed(cols)
+        is_pushed = kind == 0
+        if is_pushed.any():
+            out[is_pushed] = pushed_ids[np.searchsorted(pushed_memo, base[is_pushed] + memo[is_pushed])]
+        is_ref = kind == 1
+        if is_ref.any():
+            refs = memo[is_ref]
+            if (refs >= base[is_ref] + cols[f"{name}_at"][rows][is_ref]).any():
+                raise _NotStock("a reference to a memo entry not made yet")
+            resolved = np.full(len(refs), -1, np.int64)
+            if len(pushed_memo):
+                at = np.searchsorted(pushed_memo, refs).clip(0, len(pushed_memo) - 1)
+                hit = pushed_memo[at] == refs
+                resolved[hit] = pushed_ids[at[hit]]
+            missed = resolved < 0
+            if missed.any():  # the skeleton's strings, each looked up once
+                distinct, inverse = np.unique(refs[missed], return_inverse=True)
+                ids = []
+                for index in distinct.tolist():
+                    value = self.memo_values.get(index)
+                    if self.r.in_run_memo(index) or type(value) is not str:
+                        raise _NotStock("a reference to something not a str")
+                    ids.append(self.string_id(value))
+                resolved[missed] = np.array(ids, np.int64)[inverse]
+            out[is_ref] = resolved
+        return out
+
+    def _pushed(self, cols: dict) -> tuple[np.ndarray, np.ndarray]:
+        """(string id, memo index) of every string the entered storage records pushed, by memo index."""
+        if self._pushed_cache is not None:
+            return self._pushed_cache
+        used = cols["row_base"] >= 0
+        ids, memos = [], []
+        body = self.r.body
+        for name in ("fqn", "path", "key"):
+            sel = used & (cols[f"{name}_kind"] == 0)
+            starts, lengths = cols[f"{name}_start"][sel], cols[f"{name}_length"][sel]
+            memos.append(cols["row_base"][sel] + cols[f"{name}_memo"][sel])
+            raw = list(map(body.__getitem__, map(slice, starts.tolist(), (starts + lengths).tolist())))
+            decoded = {b: self.string_id(b.decode("utf-8", "surrogatepass")) for b in dict.fromkeys(raw)}
+            ids.append(np.fromiter(map(decoded.__getitem__, raw), np.int64, len(raw)))
+        memo = np.concatenate(memos)
+        order = np.argsort(memo, kind="stable")
+        self._pushed_cache = (np.concatenate(ids)[order], memo[order])
+        return self._pushed_cache
+
+
+def _width(values: np.ndarray, width: int) -> np.ndarray:
+    """`values` with `width` columns (the records' own: as many as the most any of them had)."""
+    if values.shape[1] >= width:
+        return values[:, :width]
+    return np.pad(values, ((0, 0), (0, width - values.shape[1])))
+
+
+def _real_chunk(chunk: Any, ndim: int) -> tuple[tuple, tuple]:
+    """A chunk the unpickler built itself (one the records did not take): plain tuples of ints."""
+    if type(chunk) is not ChunkStorageMetadata:
+        raise _NotStock("a chunk of another class")
+    state = chunk.__dict__
+    out = []
+    for name in ("offsets", "sizes"):
+        box = state.get(name)
+        if type(box) is not tuple or len(box) != ndim or any(type(x) is not int for x in box):
+            raise _NotStock("a chunk whose box is not ints")
+        out.append(box)
+    return out[0], out[1]
+
+
+def _repeated_boxes(owner: np.ndarray, offsets: np.ndarray) -> bool:
+    """Whether two chunks of one tensor start at equal offsets (exactly, after a hash)."""
+    if len(owner) < 2:
+        return False
+    mixed = owner.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    for d in range(offsets.shape[1]):
+        mixed = (mixed ^ offsets[:, d].astype(np.uint64)) * np.uint64(0xBF58476D1CE4E5B9)
+    order = np.argsort(mixed, kind="stable")
+    same = mixed[order][1:] == mixed[order][:-1]
+    if not same.any():
+        return False
+    a, b = order[1:][same], order[:-1][same]
+    return bool(((owner[a] == owner[b]) & (offsets[a] == offsets[b]).all(axis=1)).any())
+

@@ -1,0 +1,211 @@
+"""`read_stock_columns` (core/codecs/hyperparallel_metadata_stock_read.py) reads the `.metadata`
+the stock pickler writes (HyperParallel's own writer) into the same index the unpickler's path
+gives, or gives None; never another index, and never one where the unpickler's path fails.
+Compared on HyperParallel's own files, on generated ones (batches of over 1,000 chunks and
+entries, every shape the columns tests draw) and on mutated and crafted ones."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from _util import FIXTURES
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_metadata_columns import _both, _plan, _plan_of_chunks
+from test_metadata_columns_read import _index_of_columns, _tables, mutated
+from test_metadata_columns_read import _slow_or_error as _slow
+
+from hpckpt.core.codecs import hyperparallel_metadata_stock_read as stock
+from hp_reference import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorProperties,
+    TensorStorageMetadata,
+    dump_hp,
+)
+
+from hpckpt.core.codecs.hyperparallel_metadata import dumps_metadata
+from hpckpt.core.codecs.hyperparallel_metadata_stock_read import read_stock_columns
+from hpckpt.core.errors import HpckptError
+from hpckpt.core.safety.unpickle import METADATA, loads
+
+
+def _fast(data: bytes):
+    """The index through `read_stock_columns` (None: not taken), or the error building it gave."""
+    columns = read_stock_columns(data)
+    if columns is None:
+        return None
+    try:
+        return _index_of_columns(columns)
+    except HpckptError as exc:
+        return f"error: {exc}"
+
+
+def _same_or_none(data: bytes, *, taken: bool = False):
+    fast = _fast(data)
+    if taken:
+        assert fast is not None, "not taken"
+    if fast is not None:
+        assert not str(fast).startswith("error"), fast
+        assert fast == _slow(data)
+    return fast
+
+
+@pytest.mark.parametrize("name", ["m0-torch-4rank", "m0-torch-4rank-async", "legacy-torch-4rank"])
+def test_hyperparallel_s_own_files_read_as_the_unpickler_reads_them(name):
+    assert _same_or_none((FIXTURES / name / ".metadata").read_bytes(), taken=True)[0]
+
+
+def test_a_file_whose_keys_share_the_chunks_tuples_is_left_to_the_unpickler():
+    """MindSpore's writer keys storage_data with the chunk's own offsets tuple (memo references
+    into the chunk records): not taken, read as before."""
+    data = (FIXTURES / "m0-mindspore-1rank" / ".metadata").read_bytes()
+    assert read_stock_columns(data) is None
+    assert not str(_slow(data)).startswith("error")
+
+
+@pytest.mark.parametrize("dedup,ragged,framework", [("balanced", True, "torch"), ("lowest-rank", False, "mindspore"),
+                                                      ("none", True, "torch")])
+def test_a_plan_written_by_the_stock_pickler_reads_as_the_unpickler_reads(dedup, ragged, framework):
+    """Uneven, replicated, 0-d, 3-D, 5-D and empty tensors, values, key paths; with every
+    replica stored (dedup "none": chunks at equal offsets, which one dict key collapses) it is
+    left to the unpickler."""
+    data = _both(_plan(dedup, ragged), framework)[0]
+    fast = _same_or_none(data, taken=dedup != "none")
+    assert dedup == "none" or (fast[0] and fast[1] and fast[3][0])
+
+
+def test_batches_of_a_thousand_chunks_and_entries_read_as_the_unpickler_reads():
+    """1,030 ranks: each chunk list and storage_data written in batches of 1,000 (MARK ...
+    APPENDS/SETITEMS), the records in 64 KiB frames cut anywhere between opcodes."""
+    data = _both(_plan_of_chunks(1030), "torch")[0]
+    assert data.count(b"\x95") > 10
+    fast = _same_or_none(data, taken=True)
+    assert sum(entry[3] for entry in fast[0].values()) > 24 * 1030
+
+
+@settings(max_examples=60, deadline=None)
+@given(columns=_tables())
+def test_any_table_pickled_by_the_stock_pickler_reads_as_the_unpickler_reads(columns):
+    """Every table the columns tests draw (0-5 dims, chunks anywhere in the 4-byte range or at
+    equal offsets, keys, values, planner data), loaded and pickled again as HyperParallel does."""
+    data = dumps_metadata(loads(columns, what="m", kind=METADATA))
+    _same_or_none(data)
+
+
+def _sample() -> bytes:
+    return _both(_plan("balanced", True))[0]
+
+
+_SAMPLE = _sample()
+
+
+@settings(max_examples=400, deadline=None)
+@given(at=st.integers(0, len(_SAMPLE) - 1), kind=st.sampled_from(["byte", "delete", "repeat", "bit"]),
+       value=st.integers(0, 255), length=st.integers(1, 40))
+def test_a_mutated_file_reads_as_the_unpickler_reads_it_or_not_at_all(at, kind, value, length):
+    data = mutated(_SAMPLE, at, kind, value, length)
+    fast = _fast(data)
+    if isinstance(fast, str):  # the index refused a field: so must the unpickler's path
+        assert str(_slow(data)).startswith("error"), fast
+    elif fast is not None:
+        assert fast == _slow(data)
+
+
+def _chunks_file(n: int = 6, shared: bool = False) -> bytes:
+    """One tensor of `n` row chunks, stored by two ranks (files pushed inside the records), by
+    the stock pickler; `shared`: the keys' offsets are the chunks' own tuples."""
+    chunks = [ChunkStorageMetadata((i, 0), tuple([1, 4])) for i in range(n)]  # (each its own tuples)
+    state = {"w": TensorStorageMetadata(TensorProperties("torch.float32"), (n, 4), chunks)}
+    storage = {MetadataIndex("w", c.offsets if shared else tuple(list(c.offsets)), i):
+               StorageInfo(f"_rank{i % 2}_.safetensors", 16 * i, 16, "w") for i, c in enumerate(chunks)}
+    return dump_hp(Metadata(state, {"w": ("w",)}, storage))
+
+
+def test_what_the_records_leave_to_the_skeleton_is_checked():
+    """Crafted files the walk and the assembly must refuse, each read by the unpickler alike or
+    refused by it: a reference from the skeleton to a record's memo entry that is not a string,
+    a storage key's offsets that are not its chunk's, two entries for one chunk, a frame cut
+    inside an opcode, trailing bytes."""
+    good = _chunks_file()
+    assert _same_or_none(good, taken=True)
+    reader = stock._StockReader(good, "m")
+    reader.read()
+    assert {kind for kind, *_ in reader.entered} == {stock._CHUNK, stock._STORAGE}, "no runs of records entered"
+    # the skeleton referring to a chunk's tuple (the mindspore writer's keys): not taken
+    assert read_stock_columns(_chunks_file(shared=True)) is None
+    # a key's offsets changed: (3, 0) -> (2, 0), the storage entry is then another chunk's
+    at = good.index(b"K\x03K\x00\x86", good.index(b"storage_data"))
+    moved = good[:at] + b"K\x02" + good[at + 2:]
+    assert read_stock_columns(moved) is None
+    assert _slow(moved) != _slow(good) or str(_slow(moved)).startswith("error")
+    # an index changed: two entries for chunk 1
+    index_at = good.index(b"K\x03u", at)  # chunk 3's index, after its offsets
+    twice = good[:index_at] + b"K\x01" + good[index_at + 2:]
+    assert read_stock_columns(twice) is None
+    # trailing bytes after the STOP
+    assert read_stock_columns(good + b"N") is None
+    # the frame made one byte longer, the pickle's first opcode inside it then one byte off
+    framed = bytearray(good)
+    assert framed[2] == 0x95
+    framed[3:11] = struct.pack("<Q", struct.unpack("<Q", framed[3:11])[0] + 1)
+    assert read_stock_columns(bytes(framed)) is None
+
+
+def test_a_frame_cut_inside_a_record_between_its_opcodes_is_read():
+    """The records of a long list across 64 KiB frames: every cut between two opcodes of a
+    record, checked; one moved by a byte into an opcode is refused."""
+    data = _chunks_file(3000)
+    cuts = []
+    at = 2
+    while at < len(data):
+        cuts.append(at)
+        at += 9 + struct.unpack("<Q", data[at + 1:at + 9])[0]
+    assert len(cuts) > 2
+    assert _same_or_none(data, taken=True)
+    reader = stock._StockReader(data, "m")
+    reader.read()
+    assert reader.inner_cuts, "no frame cut inside a run of records"
+
+
+def test_a_marker_cannot_be_forged():
+    """The markers are integers offset by a fresh random number each read: an int in the
+    skeleton where a chunk was is refused, not taken for a record."""
+    chunks = [ChunkStorageMetadata((0, 0), (1, 4)), 2**61]
+    state = {"w": TensorStorageMetadata(TensorProperties("torch.float32"), (2, 4), chunks)}
+    data = dump_hp(Metadata(state, None, {}))
+    assert read_stock_columns(data) is None
+
+
+def test_the_skeleton_is_scanned_before_the_c_unpickler_reads_it(monkeypatch):
+    """The opcode scan that guards the C unpickler's allocations sees what it unpickles: the
+    skeleton (its markers), for a file small enough to be scanned."""
+    from hpckpt.core.safety import pickle_scan
+
+    scanned = []
+    real = pickle_scan._scan_opcodes
+    monkeypatch.setattr(pickle_scan, "_scan_opcodes", lambda data, *a: (scanned.append(bytes(data)), real(data, *a)))
+    assert read_stock_columns(_chunks_file()) is not None
+    assert any(b"\x8a\x08" in data for data in scanned)
+
+
+def test_the_stock_path_is_the_reader_s(tmp_path):
+    """`hpckpt inspect` of a checkpoint HyperParallel wrote reads its `.metadata` through
+    `read_stock_columns` (no object per chunk): the same report as the unpickler's path."""
+    from hpckpt.converters.hyperparallel import reader as hp_reader
+
+    calls = []
+    original = hp_reader.read_stock_columns
+    hp_reader.read_stock_columns = lambda data, where: calls.append(where) or original(data, where)
+    try:
+        index = hp_reader.HyperParallelReader().read_index(FIXTURES / "m0-torch-4rank")
+    finally:
+        hp_reader.read_stock_columns = original
+    assert calls and index.tensors
+    slow = loads((FIXTURES / "m0-torch-4rank" / ".metadata").read_bytes(), what="m", kind=METADATA)
+    assert set(index.tensors) == {k for k, v in slow.state_dict_metadata.items()
+                                  if type(v).__name__ == "TensorStorageMetadata"}
+
