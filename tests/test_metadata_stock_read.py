@@ -192,11 +192,12 @@ def test_the_skeleton_is_scanned_before_the_c_unpickler_reads_it(monkeypatch):
     assert any(b"\x8a\x08" in data for data in scanned)
 
 
-def test_the_stock_path_is_the_reader_s(tmp_path):
-    """`hpckpt inspect` of a checkpoint HyperParallel wrote reads its `.metadata` through
-    `read_stock_columns` (no object per chunk): the same report as the unpickler's path."""
+def test_the_stock_path_is_the_reader_s(monkeypatch):
+    """The reader reads a `.metadata` HyperParallel wrote through `read_stock_columns` (no object
+    per chunk) from STOCK_FROM_BYTES on: the same tensors as the unpickler's path."""
     from hpckpt.converters.hyperparallel import reader as hp_reader
 
+    monkeypatch.setattr(hp_reader, "STOCK_FROM_BYTES", 0)
     calls = []
     original = hp_reader.read_stock_columns
     hp_reader.read_stock_columns = lambda data, where: calls.append(where) or original(data, where)

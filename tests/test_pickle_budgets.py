@@ -37,7 +37,6 @@ from hp_reference import (
     write_hp,
 )
 
-from hpckpt.converters.hyperparallel import reader as hp_reader
 from hpckpt.core import errors
 from hpckpt.core.safety import pickle_budget
 from hpckpt.core.errors import CorruptMetadataError, UnsafePickleError
@@ -152,9 +151,6 @@ def test_only_a_write_s_read_back_of_its_own_output_skips_the_opcode_scan(tmp_pa
     scanned = []
     real = pickle_scan._scan_opcodes
     monkeypatch.setattr(pickle_scan, "_scan_opcodes", lambda data, *a: (scanned.append(bytes(data)), real(data, *a)))
-    # (the unpickler's path: `read_stock_columns` scans the skeleton it unpickles instead, see
-    # tests/test_metadata_stock_read.py)
-    monkeypatch.setattr(hp_reader, "read_stock_columns", lambda data, where: None)
     source = Path(__file__).resolve().parents[1] / "examples" / "tiny-hp"
     api.reshard(source, tmp_path / "out", LayoutSpec.for_world_size(3))
     written = (tmp_path / "out" / ".metadata").read_bytes()

@@ -25,7 +25,7 @@ from hpckpt.core.codecs.hyperparallel_metadata import (
     check_shared_starts,
 )
 from hpckpt.core.codecs.hyperparallel_metadata_columns_read import ColumnsMetadata, TensorRecords, read_columns
-from hpckpt.core.codecs.hyperparallel_metadata_stock_read import read_stock_columns
+from hpckpt.core.codecs.hyperparallel_metadata_stock_read import STOCK_FROM_BYTES, read_stock_columns
 from hpckpt.core.codecs.metadata_schema import bad_chunk, check_ints, check_shape, dtype_spelling, guarded, storage_paths
 from hpckpt.core.commit import manifest
 from hpckpt.core.errors import CorruptMetadataError, UnknownFormatError, UnsafePathError
@@ -159,7 +159,9 @@ class HyperParallelReader:
         for name in names:
             legacy |= _LEGACY_PREFIX.encode() in sniff_head(path / name)
             data = _read_bytes(path, name)
-            columns = read_columns(data) or read_stock_columns(data, str(path / name))
+            columns = read_columns(data)
+            if columns is None and len(data) >= STOCK_FROM_BYTES:
+                columns = read_stock_columns(data, str(path / name))
             if columns is not None:  # hpckpt's own form or the stock pickler's: arrays, no object per chunk
                 metadata = Metadata({}, planner_data=columns.planner_data, storage_data={}, version=columns.version)
                 check_hp_metadata(metadata, len(data), str(path / name))
