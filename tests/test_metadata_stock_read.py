@@ -54,17 +54,12 @@ def _same_or_none(data: bytes, *, taken: bool = False):
     return fast
 
 
-@pytest.mark.parametrize("name", ["m0-torch-4rank", "m0-torch-4rank-async", "legacy-torch-4rank"])
+@pytest.mark.parametrize("name", ["m0-torch-4rank", "m0-torch-4rank-async", "legacy-torch-4rank",
+                                  "m0-mindspore-1rank"])
 def test_hyperparallel_s_own_files_read_as_the_unpickler_reads_them(name):
+    """MindSpore's writer keys storage_data with the chunks' own offsets tuples and shares one
+    tuple among chunks (memo references into other records and the skeleton): resolved too."""
     assert _same_or_none((FIXTURES / name / ".metadata").read_bytes(), taken=True)[0]
-
-
-def test_a_file_whose_keys_share_the_chunks_tuples_is_left_to_the_unpickler():
-    """MindSpore's writer keys storage_data with the chunk's own offsets tuple (memo references
-    into the chunk records): not taken, read as before."""
-    data = (FIXTURES / "m0-mindspore-1rank" / ".metadata").read_bytes()
-    assert read_stock_columns(data) is None
-    assert not str(_slow(data)).startswith("error")
 
 
 @pytest.mark.parametrize("dedup,ragged,framework", [("balanced", True, "torch"), ("lowest-rank", False, "mindspore"),
@@ -100,14 +95,15 @@ def _sample() -> bytes:
     return _both(_plan("balanced", True))[0]
 
 
-_SAMPLE = _sample()
+_SAMPLES = [_sample(), (FIXTURES / "m0-mindspore-1rank" / ".metadata").read_bytes()]  # (the second shares tuples)
 
 
 @settings(max_examples=400, deadline=None)
-@given(at=st.integers(0, len(_SAMPLE) - 1), kind=st.sampled_from(["byte", "delete", "repeat", "bit"]),
+@given(which=st.sampled_from([0, 1]), at=st.integers(0, 1 << 20), kind=st.sampled_from(["byte", "delete", "repeat", "bit"]),
        value=st.integers(0, 255), length=st.integers(1, 40))
-def test_a_mutated_file_reads_as_the_unpickler_reads_it_or_not_at_all(at, kind, value, length):
-    data = mutated(_SAMPLE, at, kind, value, length)
+def test_a_mutated_file_reads_as_the_unpickler_reads_it_or_not_at_all(which, at, kind, value, length):
+    sample = _SAMPLES[which]
+    data = mutated(sample, at % len(sample), kind, value, length)
     fast = _fast(data)
     if isinstance(fast, str):  # the index refused a field: so must the unpickler's path
         assert str(_slow(data)).startswith("error"), fast
@@ -135,8 +131,9 @@ def test_what_the_records_leave_to_the_skeleton_is_checked():
     reader = stock._StockReader(good, "m")
     reader.read()
     assert {kind for kind, *_ in reader.entered} == {stock._CHUNK, stock._STORAGE}, "no runs of records entered"
-    # the skeleton referring to a chunk's tuple (the mindspore writer's keys): not taken
-    assert read_stock_columns(_chunks_file(shared=True)) is None
+    # the keys sharing the chunks' tuples (as MindSpore's writer does): resolved, the same index
+    shared = _chunks_file(shared=True)
+    assert shared.count(b"K\x03K\x00\x86") == 1 and _same_or_none(shared, taken=True)
     # a key's offsets changed: (3, 0) -> (2, 0), the storage entry is then another chunk's
     at = good.index(b"K\x03K\x00\x86", good.index(b"storage_data"))
     moved = good[:at] + b"K\x02" + good[at + 2:]

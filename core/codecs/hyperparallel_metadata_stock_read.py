@@ -102,6 +102,7 @@ _CLASSES = {b"ChunkStorageMetadata": ChunkStorageMetadata, b"MetadataIndex": Met
             b"TensorProperties": TensorProperties}
 
 
+_TUPLE_FIELDS = {_CHUNK: ("offsets", "sizes"), _STORAGE: ("offsets",)}  # tuples a record pushes or shares
 _WANTED = {name for classes, names in _NEEDS.values() for name in classes + names}
 
 
@@ -236,15 +237,17 @@ class _Rows:
         self._settle()
         return value
 
-    def int_tuple(self) -> tuple[np.ndarray, np.ndarray]:
-        """A tuple of ints as the stock pickler writes it: () unmemoised; 1-3 items and TUPLEn;
-        more between MARK and TUPLE. Returns (values [rows, most items read], count)."""
+    def int_tuple(self, where: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """A tuple of ints as the stock pickler writes it (in rows `where`): () unmemoised; 1-3
+        items and TUPLEn; more between MARK and TUPLE. Returns (values [rows, most items read],
+        count)."""
+        act = self.ok if where is None else self.ok & where
         op = self.byte()
-        empty, marked = op == 0x29, op == MARK
+        empty, marked = act & (op == 0x29), act & (op == MARK)
         self.p += empty | marked
         columns = []
         count = np.zeros(len(self.p), np.int64)
-        active = self.ok & ~empty
+        active = act & ~empty
         for d in range(MAX_DIMS + 1):
             op = self.byte()
             more = active & ((op == BININT1) | (op == BININT2) | (op == BININT) | (op == LONG1))
@@ -258,11 +261,26 @@ class _Rows:
             active = more
         close = self.byte()
         short = np.where(count == 1, close == 0x85, np.where(count == 2, close == 0x86, close == 0x87))
-        self.ok &= empty | np.where(marked, (count > 3) & (close == 0x74), (count >= 1) & (count <= 3) & short)
-        self.p += ~empty
-        self.memoize(~empty)
+        valid = empty | np.where(marked, (count > 3) & (close == 0x74), (count >= 1) & (count <= 3) & short)
+        self.ok &= ~act | valid
+        self.p += act & ~empty
+        self.memoize(act & ~empty)
         values = np.stack(columns, axis=1) if columns else np.zeros((len(self.p), 0), np.int64)
         return values, count
+
+    def tuple_field(self) -> tuple[np.ndarray, ...]:
+        """A tuple of ints pushed, or a memo reference to one (a tuple shared with another
+        record). Returns (values, count, the reference or -1, the memo slot it was put in (in
+        the record's count) or -1, the record's memo entries before the field)."""
+        op = self.byte()
+        h, j = op == BINGET, op == LONG_BINGET
+        ref = np.where(h, self.byte(1).astype(np.int64), np.where(j, self._le(1, 4), -1))
+        at = self.memo.copy()
+        self.p += np.where(h, 2, np.where(j, 5, 0))
+        values, count = self.int_tuple(~(h | j))
+        slot = np.where((ref < 0) & (count > 0), self.memo - 1, -1)
+        self._settle()
+        return values, count, ref, slot, at
 
     def string(self, none: bool = False) -> tuple[np.ndarray, ...]:
         """A str pushed (then memoised) or a memo reference (or None, if `none`): (kind: 0 pushed,
@@ -432,7 +450,8 @@ class _StockReader:
         self.run_memo_lo: list[int] = []
         self.run_memo_hi: list[int] = []
         self.final_memo = 0
-        self._objects: np.ndarray | None = None
+        self._objects: tuple | None = None
+        self._tuple_sources: tuple | None = None
 
     # --- finding runs ------------------------------------------------------------------------
     def objects(self, lo: int = 0, hi: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -480,7 +499,7 @@ class _StockReader:
             if (matched["ok"] & (matched["end"] < self.size)).sum() < 0.9 * len(sample):
                 raise _NotStock("most records are of another shape")
         starts = self._starting(refs[head], refs[after], start)
-        rows = read(starts, refs)
+        rows = _compact(read(starts, refs))
         ok = rows.pop("ok") & (rows["end"] < self.size)  # rows that are not records stay (not copied), in no run
         cols = rows
         cols["start"] = starts
@@ -516,12 +535,14 @@ class _StockReader:
     def _chunk_rows(self, starts: np.ndarray, refs: dict[bytes, bytes]) -> dict[str, np.ndarray]:
         head = len(refs[b"ChunkStorageMetadata"]) + len(OBJECT) + len(refs[b"offsets"])
         rows = _Rows(self.arr, self.size, starts + head, 2)
-        offsets, n1 = rows.int_tuple()
+        offsets, n1, offsets_ref, offsets_slot, offsets_at = rows.tuple_field()
         rows.expect(refs[b"sizes"])
-        sizes, n2 = rows.int_tuple()
+        sizes, n2, sizes_ref, sizes_slot, sizes_at = rows.tuple_field()
         rows.expect(b"ub")
-        rows.ok &= n1 == n2
-        return {"ok": rows.ok, "end": rows.p, "memo": rows.memo, "ndim": n1, "offsets": offsets, "sizes": sizes}
+        rows.ok &= (offsets_ref >= 0) | (sizes_ref >= 0) | (n1 == n2)  # (shared ones: once resolved)
+        return {"ok": rows.ok, "end": rows.p, "memo": rows.memo, "ndim": n1, "offsets": offsets, "sizes": sizes,
+                "sizes_ndim": n2, "offsets_ref": offsets_ref, "offsets_slot": offsets_slot, "offsets_at": offsets_at,
+                "sizes_ref": sizes_ref, "sizes_slot": sizes_slot, "sizes_at": sizes_at}
 
     def _header_rows(self, starts: np.ndarray, refs: dict[bytes, bytes]) -> dict[str, np.ndarray]:
         """`TensorStorageMetadata(TensorProperties(dtype, requires_grad, memory_format), size, [`
@@ -569,8 +590,8 @@ class _StockReader:
         rows = _Rows(self.arr, self.size, starts + head, 2)
         fqn = rows.string()
         rows.expect(refs[b"offset"])
-        offsets, ndim = rows.int_tuple()
-        rows.ok &= ndim > 0
+        offsets, ndim, offsets_ref, offsets_slot, offsets_at = rows.tuple_field()
+        rows.ok &= (offsets_ref >= 0) | (ndim > 0)
         rows.expect(refs[b"index"])
         index = rows.integer()
         rows.expect(b"ub")
@@ -586,7 +607,8 @@ class _StockReader:
         key = rows.string(none=True)
         rows.expect(b"ub")
         out = {"ok": rows.ok, "end": rows.p, "memo": rows.memo, "key_memo": key_memo, "ndim": ndim,
-               "offsets": offsets, "index": index}
+               "offsets": offsets, "index": index, "offsets_ref": offsets_ref, "offsets_slot": offsets_slot,
+               "offsets_at": offsets_at}
         for name, (kind, start, length, memo, at) in (("fqn", fqn), ("path", path), ("key", key)):
             out.update({f"{name}_kind": kind, f"{name}_start": start, f"{name}_length": length,
                         f"{name}_memo": memo, f"{name}_at": at})
@@ -673,6 +695,11 @@ class _StockReader:
             for name in ("fqn", "path", "key"):
                 is_ref = used & (cols[f"{name}_kind"] == 1)
                 wanted.update(np.unique(cols[f"{name}_memo"][is_ref]).tolist())
+        for kind, names in _TUPLE_FIELDS.items():
+            cols = self.runs.get(kind)
+            for name in names if cols is not None else ():
+                ref = cols[f"{name}_ref"]
+                wanted.update(np.unique(ref[(cols["row_base"] >= 0) & (ref >= 0)]).tolist())
         lo, hi = np.array(self.run_memo_lo, np.int64), np.array(self.run_memo_hi, np.int64)
         out = []
         for index in sorted(wanted):
@@ -681,16 +708,33 @@ class _StockReader:
                 out.append(index)
         return out
 
+    def tuple_sources(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(memo index, values, count) of every tuple an entered record pushed, by memo index."""
+        if self._tuple_sources is None:
+            memos, values, counts = [], [], []
+            for kind, names in _TUPLE_FIELDS.items():
+                cols = self.runs.get(kind)
+                for name in names if cols is not None else ():
+                    sel = (cols["row_base"] >= 0) & (cols[f"{name}_slot"] >= 0)
+                    memos.append(cols["row_base"][sel] + cols[f"{name}_slot"][sel])
+                    values.append(cols[name][sel])
+                    counts.append(cols["sizes_ndim" if name == "sizes" else "ndim"][sel])
+            width = max((v.shape[1] for v in values), default=0)
+            memo = np.concatenate(memos) if memos else np.zeros(0, np.int64)
+            order = np.argsort(memo, kind="stable")
+            self._tuple_sources = (memo[order], np.concatenate([_width(v, width) for v in values])[order]
+                                   if values else np.zeros((0, 0), np.int64),
+                                   np.concatenate(counts)[order] if counts else np.zeros(0, np.int64))
+        return self._tuple_sources
+
     def _strings_referred(self) -> None:
         """The skeleton refers to a few strings that records pushed (a file's name, first met
         in a record): each must be one, and its marker pushes and memoises it in the same place."""
         if not self.run_refs:
             return
         cols = self.runs.get(_STORAGE)
-        if cols is None:
-            raise _NotStock("a reference into a run of chunks")
-        used = cols["row_base"] >= 0
-        for name in ("fqn", "path", "key"):
+        used = cols["row_base"] >= 0 if cols is not None else None
+        for name in ("fqn", "path", "key") if cols is not None else ():
             sel = used & (cols[f"{name}_kind"] == 0)
             memo = cols["row_base"][sel] + cols[f"{name}_memo"][sel]
             hit = np.isin(memo, np.array(sorted(self.run_refs), np.int64))
@@ -700,8 +744,13 @@ class _StockReader:
                 push = (bytes((SHORT_BINUNICODE, length)) if length < 256 else
                         bytes((BINUNICODE,)) + struct.pack("<I", length))
                 self.spliced[index] = push + raw + b"\x940"  # push, MEMOIZE, POP
+        memo, values, counts = self.tuple_sources()
+        for index in sorted(self.run_refs - set(self.spliced)):
+            at = int(np.searchsorted(memo, index))
+            if at < len(memo) and memo[at] == index:
+                self.spliced[index] = _tuple_opcodes(values[at, :counts[at]].tolist()) + b"\x940"
         if set(self.spliced) != self.run_refs:
-            raise _NotStock("a reference to a run's memo entry that is not a string")
+            raise _NotStock("a reference to a run's memo entry that is not a string or a tuple")
 
     def _spliced_in(self, base: int, total: int) -> list[int]:
         if not self.spliced:
@@ -758,6 +807,31 @@ class _StockReader:
                     raise _NotStock(f"memo {index} is not the field name {name!r}")
 
 
+def _compact(columns: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Memo indexes, counts and kinds as int32 (a file's memo holds far fewer than 2**31 entries;
+    half the memory of the columns kept for all records)."""
+    narrow = ("memo", "_ref", "_slot", "_at", "_kind", "ndim")
+    return {name: col.astype(np.int32) if col.dtype == np.int64 and col.ndim == 1 and name.endswith(narrow) else col
+            for name, col in columns.items()}
+
+
+def _tuple_opcodes(items: list[int]) -> bytes:
+    """The opcodes that push `items` as a tuple (then MEMOIZE, as the stock pickler does)."""
+    out = bytearray(b"(" if len(items) > 3 else b"")
+    for n in items:
+        if 0 <= n < 1 << 8:
+            out += bytes((BININT1, n))
+        elif 0 <= n < 1 << 16:
+            out += bytes((BININT2,)) + struct.pack("<H", n)
+        elif -(1 << 31) <= n < 1 << 31:
+            out += bytes((BININT,)) + struct.pack("<i", n)
+        else:
+            raw = n.to_bytes(9, "little", signed=True)
+            out += bytes((LONG1, 9)) + raw
+    out += b"t" if len(items) > 3 else (b")" if not items else bytes((0x84 + len(items),)))
+    return bytes(out) + (b"\x94" if items else b"")
+
+
 def _opcode_starts(body: bytes, start: int, end: int) -> set[int]:
     """Where the opcodes of body[start:end] start (one record: a few dozen)."""
     out, p = set(), start
@@ -784,6 +858,7 @@ class _Assembly:
         self.string_ids: dict[Any, int] = {None: 0}
         self._pushed_cache: tuple[np.ndarray, np.ndarray] | None = None
         self._skeleton_cache: tuple[np.ndarray, np.ndarray] | None = None
+        self._tuples_cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def string_id(self, value: Any) -> int:
         found = self.string_ids.get(value)
@@ -818,7 +893,48 @@ class _Assembly:
         rows = np.concatenate(parts) if parts else np.zeros(0, np.int64)
         return rows, others
 
+    def _resolve_tuples(self) -> None:
+        """Tuples a record shares (a memo reference) replaced by their values: another record's
+        (pushed earlier) or one the skeleton read back; each must be a tuple of ints."""
+        for kind, names in _TUPLE_FIELDS.items():
+            cols = self.r.runs.get(kind)
+            for name in names if cols is not None else ():
+                ref = cols[f"{name}_ref"]
+                rows = np.flatnonzero((cols["row_base"] >= 0) & (ref >= 0))
+                if not len(rows):
+                    continue
+                memo, values, counts = self.r.tuple_sources()
+                refs = ref[rows]
+                if (refs >= cols["row_base"][rows] + cols[f"{name}_at"][rows]).any():
+                    raise _NotStock("a reference to a memo entry not made yet")
+                at = np.searchsorted(memo, refs).clip(0, max(len(memo) - 1, 0))
+                hit = (memo[at] == refs) if len(memo) else np.zeros(len(refs), bool)
+                sk_memo, sk_values, sk_counts = self._skeleton_tuples()
+                width = max(values.shape[1], cols[name].shape[1], sk_values.shape[1])
+                got = np.zeros((len(refs), width), np.int64)
+                got[hit, :values.shape[1]] = values[at[hit]]
+                n = np.where(hit, counts[at] if len(memo) else 0, 0)
+                missed = np.flatnonzero(~hit)
+                if len(missed):  # the skeleton's tuples (read back at its end)
+                    k = np.searchsorted(sk_memo, refs[missed]).clip(0, max(len(sk_memo) - 1, 0))
+                    if not len(sk_memo) or not np.array_equal(sk_memo[k], refs[missed]):
+                        raise _NotStock("a reference to something not a tuple of ints")
+                    got[missed, :sk_values.shape[1]] = sk_values[k]
+                    n[missed] = sk_counts[k]
+                cols[name] = _width(cols[name], width).copy()
+                cols[name][rows] = got
+                cols["sizes_ndim" if name == "sizes" else "ndim"][rows] = n
+        cc = self.r.runs.get(_CHUNK)
+        if cc is not None:
+            used = cc["row_base"] >= 0
+            if not np.array_equal(cc["ndim"][used], cc["sizes_ndim"][used]):
+                raise _NotStock("a chunk whose offsets and sizes differ in length")
+        sc = self.r.runs.get(_STORAGE)
+        if sc is not None and (sc["ndim"][sc["row_base"] >= 0] == 0).any():
+            raise _NotStock("a storage key of no offsets among the records")
+
     def columns(self) -> ColumnsMetadata:
+        self._resolve_tuples()
         md = self.metadata
         state = md.__dict__.get("state_dict_metadata")
         storage = md.__dict__.get("storage_data")
@@ -990,6 +1106,19 @@ class _Assembly:
                 resolved[missed] = found
             out[is_ref] = resolved
         return out
+
+    def _skeleton_tuples(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(memo index, values, count) of the tuples of ints the skeleton's end read back."""
+        if self._tuples_cache is None:
+            found = [(i, v) for i, v in sorted(self.memo_values.items()) if type(v) is tuple and len(v) <= MAX_DIMS
+                     and all(type(x) is int for x in v) and not self.r.in_run_memo(i)]
+            width = max((len(v) for _i, v in found), default=0)
+            values = np.zeros((len(found), width), np.int64)
+            for row, (_i, v) in enumerate(found):
+                values[row, :len(v)] = v
+            self._tuples_cache = (np.array([i for i, _v in found], np.int64), values,
+                                  np.array([len(v) for _i, v in found], np.int64))
+        return self._tuples_cache
 
     def _skeleton_strings(self) -> tuple[np.ndarray, np.ndarray]:
         """(memo index, string id or -1 where not a str) of what the skeleton's end read back."""
