@@ -271,14 +271,19 @@ class _Rows:
     def tuple_field(self) -> tuple[np.ndarray, ...]:
         """A tuple of ints pushed, or a memo reference to one (a tuple shared with another
         record). Returns (values, count, the reference or -1, the memo slot it was put in (in
-        the record's count) or -1, the record's memo entries before the field)."""
+        the record's count) or -1, the record's memo entries before the field (only read where
+        there is a reference))."""
         op = self.byte()
         h, j = op == BINGET, op == LONG_BINGET
+        shared = h | j
+        if not shared.any():  # (most files: every tuple its own)
+            values, count = self.int_tuple()
+            return values, count, np.full(len(op), -1, np.int32), np.where(count > 0, self.memo - 1, -1), count
         ref = np.where(h, self.byte(1).astype(np.int64), np.where(j, self._le(1, 4), -1))
         at = self.memo.copy()
         self.p += np.where(h, 2, np.where(j, 5, 0))
-        values, count = self.int_tuple(~(h | j))
-        slot = np.where((ref < 0) & (count > 0), self.memo - 1, -1)
+        values, count = self.int_tuple(~shared)
+        slot = np.where(~shared & (count > 0), self.memo - 1, -1)
         self._settle()
         return values, count, ref, slot, at
 
