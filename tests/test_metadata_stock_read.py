@@ -207,3 +207,49 @@ def test_the_stock_path_is_the_reader_s(monkeypatch):
     assert set(index.tensors) == {k for k, v in slow.state_dict_metadata.items()
                                   if type(v).__name__ == "TensorStorageMetadata"}
 
+
+
+def _large_stock_checkpoint(root):
+    """400 tensors in 4 row chunks on 4 ranks and a value, written as HyperParallel writes them:
+    a `.metadata` above STOCK_FROM_BYTES whose keys share the chunks' offsets tuples."""
+    import pickle
+
+    import numpy as np
+    from hp_reference import write_hp
+
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for t in range(400):
+        w = rng.standard_normal((8, 3)).astype(np.float32)
+        tensors[f"layers.{t}.w"] = ("torch.float32", (8, 3), [
+            (f"_rank{r}_.safetensors", f"layers.{t}.w", (2 * r, 0), w[2 * r:2 * r + 2]) for r in range(4)])
+    return write_hp(root, tensors, values={"step": ("_rank0_.bytes", pickle.dumps(7))})
+
+
+def test_commands_on_a_large_stock_checkpoint_write_what_the_unpickler_s_path_writes(tmp_path, monkeypatch):
+    """inspect, verify, consolidate and reshard read the `.metadata` through `read_stock_columns`
+    and give the same report and the same bytes as with it turned off (the unpickler's path)."""
+    from hpckpt import api
+    from hpckpt.core.geometry.layout import LayoutSpec
+    from hpckpt.converters.hyperparallel import reader as hp_reader
+
+    root = _large_stock_checkpoint(tmp_path / "ckpt")
+    assert (root / ".metadata").stat().st_size >= hp_reader.STOCK_FROM_BYTES
+    calls = []
+    original = hp_reader.read_stock_columns
+    monkeypatch.setattr(hp_reader, "read_stock_columns", lambda data, where: calls.append(where) or original(data, where))
+    outputs = {}
+    for way, threshold in (("stock", hp_reader.STOCK_FROM_BYTES), ("unpickler", 1 << 62)):
+        monkeypatch.setattr(hp_reader, "STOCK_FROM_BYTES", threshold)
+        before = len(calls)
+        (tmp_path / way).mkdir()
+        report = api.inspect(root, use_cache=False)
+        assert api.verify(root).exit_code == 0
+        api.consolidate(root, tmp_path / way / "all.safetensors")
+        api.reshard(root, tmp_path / way / "three", LayoutSpec.for_world_size(3))
+        taken = len(calls) > before and original((root / ".metadata").read_bytes(), "m") is not None
+        assert taken == (way == "stock"), way
+        files = sorted(p for p in (tmp_path / way).rglob("*") if p.is_file() and "manifest" not in p.name)
+        outputs[way] = (report.to_json() if hasattr(report, "to_json") else repr(report),
+                        {str(p.relative_to(tmp_path / way)): p.read_bytes() for p in files})
+    assert outputs["stock"][1] and outputs["stock"] == outputs["unpickler"]

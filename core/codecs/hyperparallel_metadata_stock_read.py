@@ -564,12 +564,13 @@ class _StockReader:
         rows.expect(refs[b"memory_format"])
         memory_format = rows.string(none=True)
         rows.expect(b"ub" + refs[b"size"])
-        rows.int_tuple()
+        size_ref = rows.tuple_field()[2]  # (a shape shared with another tensor: a memo reference)
         rows.expect(refs[b"chunks"] + b"]")
         rows.memoize()
         rows.expect(b"(")
         out = {"ok": rows.ok, "end": rows.p, "memo": rows.memo}
-        for name, (kind, _start, _length, memo, _at) in (("dtype", dtype), ("format", memory_format)):
+        for name, (kind, _start, _length, memo, _at) in (("dtype", dtype), ("format", memory_format),
+                                                         ("size", (np.where(size_ref >= 0, 1, 0), 0, 0, size_ref, 0))):
             out.update({f"{name}_kind": kind, f"{name}_memo": memo})
         return out
 
@@ -578,13 +579,13 @@ class _StockReader:
         return self.chain_lists[_HEADER][0][chain]
 
     def check_header_refs(self) -> None:
-        """The heads' strings referred to (a dtype, a memory format) are not a run's memo entries."""
+        """What the heads refer to (a dtype, a memory format, a shape) is not a run's memo entry."""
         cols = self.runs.get(_HEADER)
         if cols is None or not self.run_memo_lo:
             return
         used = cols["row_base"] >= 0
         lo, hi = np.array(self.run_memo_lo, np.int64), np.array(self.run_memo_hi, np.int64)
-        for name in ("dtype", "format"):
+        for name in ("dtype", "format", "size"):
             refs = cols[f"{name}_memo"][used & (cols[f"{name}_kind"] == 1)]
             at = np.searchsorted(lo, refs, "right") - 1
             if ((at >= 0) & (refs < hi[at.clip(0)])).any():
