@@ -48,8 +48,7 @@ def _same_or_none(data: bytes, *, taken: bool = False):
     fast = _fast(data)
     if taken:
         assert fast is not None, "not taken"
-    if fast is not None:
-        assert not str(fast).startswith("error"), fast
+    if fast is not None:  # (an error building the index, two chunks' boxes clashing: the same one)
         assert fast == _slow(data)
     return fast
 
@@ -65,12 +64,12 @@ def test_hyperparallel_s_own_files_read_as_the_unpickler_reads_them(name):
 @pytest.mark.parametrize("dedup,ragged,framework", [("balanced", True, "torch"), ("lowest-rank", False, "mindspore"),
                                                       ("none", True, "torch")])
 def test_a_plan_written_by_the_stock_pickler_reads_as_the_unpickler_reads(dedup, ragged, framework):
-    """Uneven, replicated, 0-d, 3-D, 5-D and empty tensors, values, key paths; with every
-    replica stored (dedup "none": chunks at equal offsets, which one dict key collapses) it is
-    left to the unpickler."""
+    """Uneven, replicated, 0-d, 3-D, 5-D and empty tensors, values, key paths; every replica
+    stored (dedup "none": chunks at equal offsets share one storage_data key, the value stored
+    last for them all)."""
     data = _both(_plan(dedup, ragged), framework)[0]
-    fast = _same_or_none(data, taken=dedup != "none")
-    assert dedup == "none" or (fast[0] and fast[1] and fast[3][0])
+    fast = _same_or_none(data, taken=True)
+    assert fast[0] and fast[1] and fast[3][0]
 
 
 def test_batches_of_a_thousand_chunks_and_entries_read_as_the_unpickler_reads():

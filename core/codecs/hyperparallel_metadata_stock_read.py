@@ -597,7 +597,6 @@ class _StockReader:
         fqn = rows.string()
         rows.expect(refs[b"offset"])
         offsets, ndim, offsets_ref, offsets_slot, offsets_at = rows.tuple_field()
-        rows.ok &= (offsets_ref >= 0) | (ndim > 0)
         rows.expect(refs[b"index"])
         index = rows.integer()
         rows.expect(b"ub")
@@ -813,6 +812,24 @@ class _StockReader:
                     raise _NotStock(f"memo {index} is not the field name {name!r}")
 
 
+def _last_stored(owner: np.ndarray, offsets: np.ndarray, place: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each chunk, the chunk of the same tensor at the same offsets whose storage entry
+    comes last in storage_data (grouped by a hash, then checked exactly), and its group's size."""
+    mixed = owner.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    for d in range(offsets.shape[1]):
+        mixed = (mixed ^ offsets[:, d].astype(np.uint64)) * np.uint64(0xBF58476D1CE4E5B9)
+    _, first, group = np.unique(mixed, return_index=True, return_inverse=True)
+    lead = first[group]
+    if not (np.array_equal(owner[lead], owner) and np.array_equal(offsets[lead], offsets)):
+        raise _NotStock("a hash collision")
+    latest = np.full(len(first), -1, np.int64)
+    np.maximum.at(latest, group, place)
+    winner = np.zeros(len(first), np.int64)
+    best = place == latest[group]
+    winner[group[best]] = np.flatnonzero(best)
+    return winner[group], np.bincount(group)[group]
+
+
 def _compact(columns: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Memo indexes, counts and kinds as int32 (a file's memo holds far fewer than 2**31 entries;
     half the memory of the columns kept for all records)."""
@@ -935,9 +952,6 @@ class _Assembly:
             used = cc["row_base"] >= 0
             if not np.array_equal(cc["ndim"][used], cc["sizes_ndim"][used]):
                 raise _NotStock("a chunk whose offsets and sizes differ in length")
-        sc = self.r.runs.get(_STORAGE)
-        if sc is not None and (sc["ndim"][sc["row_base"] >= 0] == 0).any():
-            raise _NotStock("a storage key of no offsets among the records")
 
     def columns(self) -> ColumnsMetadata:
         self._resolve_tuples()
@@ -951,6 +965,8 @@ class _Assembly:
         if any(storage[k] is not None for k in keys if type(k) is int):
             raise _NotStock("a record's value is not its marker's")
         real = {k: storage[k] for _at, k in real_keys}
+        self.real_at = {k: at for at, k in real_keys}  # (its place in storage_data's order)
+        self.row_places = np.delete(np.arange(len(key_rows) + len(real_keys)), [at for at, _k in real_keys])
         probe = copy.copy(md)
         probe.__dict__["storage_data"] = real
         check_hp_metadata(probe, len(self.r.data), self.r.where)
@@ -1029,25 +1045,41 @@ class _Assembly:
                     any(type(x) is not int for x in offs):
                 raise _NotStock("a chunk's storage key of another form")
             more.append((t, index, offs + (0,) * (width - len(offs)), self.string_id(info.relative_path),
-                         self.string_id(info.tensor_key)))
+                         self.string_id(info.tensor_key), self.real_at[key]))
+        s_place = self.row_places
         if more:
-            t_, i_, o_, f_, k_ = zip(*more)
-            s_t, s_i = np.append(s_t, t_), np.append(s_i, i_)
+            t_, i_, o_, f_, k_, at_ = zip(*more)
+            s_t, s_i, s_place = np.append(s_t, t_), np.append(s_i, i_), np.append(s_place, at_)
+            real_rows = np.arange(len(s_t) - len(more), len(s_t))
             s_off = np.concatenate([s_off, np.array(o_, np.int64).reshape(len(o_), width)])
             s_file, s_key = np.append(s_file, f_), np.append(s_key, k_)
-        if len(s_t) != total or ((s_i < 0) | (s_i >= counts[s_t])).any():
+        else:
+            real_rows = np.zeros(0, np.int64)
+        if len(s_t) > total or ((s_i < 0) | (s_i >= counts[s_t])).any():
             raise _NotStock("storage entries that are not one per chunk")
         g = firsts[s_t] + s_i
-        if total and np.bincount(g, minlength=total).max() != 1:
+        if total and len(g) and np.bincount(g, minlength=total).max() != 1:
             raise _NotStock("two storage entries for one chunk")
         files, keys = np.zeros(total, np.int64), np.zeros(total, np.int64)
         files[g], keys[g] = s_file, s_key
-        stored = np.zeros((total, width), np.int64)
+        stored = offsets.copy()
         stored[g] = s_off
         if not np.array_equal(stored, offsets):
             raise _NotStock("a storage key's offsets are not its chunk's")
         if _last_of_equal(owner, offsets) is not None:
-            raise _NotStock("chunks of one tensor at equal offsets (the dict keeps one entry for them)")
+            # chunks of a tensor at equal offsets (every replica stored) share one storage_data
+            # key: the dict keeps the value stored last for them all (the records' own order; an
+            # entry the skeleton's dict holds may already be two, so such a group is refused)
+            place = np.full(total, -1, np.int64)
+            place[g] = s_place
+            winner, size = _last_stored(owner, offsets, place)
+            is_real = np.zeros(total, bool)
+            is_real[g[real_rows]] = True
+            if (place[winner] < 0).any() or (is_real & (size > 1)).any():
+                raise _NotStock("a chunk without its storage entry")
+            files, keys = files[winner], keys[winner]
+        elif len(g) != total:
+            raise _NotStock("a chunk without its storage entry")
         out = []
         for t, (fqn, _item) in enumerate(tensors):
             a, b, d = int(firsts[t]), int(firsts[t] + counts[t]), ndims[t]
