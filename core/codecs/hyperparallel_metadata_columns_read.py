@@ -476,7 +476,7 @@ class _Recogniser:
             for refs in (files, keys):
                 if refs.size and ((refs < 0).any() or (refs >= len(self.memo)).any() or not is_string[refs].all()):
                     raise _NotColumns("a file or key that is not a string of the preamble")
-            last = _last_of_equal(owner, offsets)
+            last = last_of_equal(owner, offsets)
             if last is not None:  # storage_data's key is the name and offsets: one entry, the last, for them all
                 files, keys = files[last], keys[last]
             columns[ndim] = (members, firsts, counts, offsets, sizes, files, keys)
@@ -510,7 +510,7 @@ class _Recogniser:
         return template.read(rows, raw)
 
 
-def _last_of_equal(owner: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
+def last_of_equal(owner: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
     """For each row, the last row of the same owner at the same offsets (None: no two alike).
 
     Chunks of a tensor that start at the same offsets (the empty chunks of ranks past a
@@ -523,22 +523,29 @@ def _last_of_equal(owner: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
     ordered = _last_of_runs(owner, offsets)
     if ordered is not None:
         return ordered if len(ordered) else None
-    mixed = owner.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-    for d in range(offsets.shape[1]):
-        mixed = (mixed ^ offsets[:, d].astype(np.uint64)) * np.uint64(0xBF58476D1CE4E5B9)
-    _, first, inverse = np.unique(mixed, return_index=True, return_inverse=True)
+    first, inverse = box_groups(owner, offsets)
     if len(first) == len(owner):
         return None
-    lead = first[inverse]  # a row of each group
-    if not (np.array_equal(owner[lead], owner) and np.array_equal(offsets[lead], offsets)):
-        raise _NotColumns("a hash collision")
     last = np.zeros(len(first), np.int64)
     np.maximum.at(last, inverse, np.arange(len(owner)))
     return last[inverse]
 
 
+def box_groups(owner: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows grouped by owner and offsets: (a row of each group, each row's group), by a hash,
+    then checked exactly (a collision raises: the unpickler's path then reads the file)."""
+    mixed = owner.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    for d in range(offsets.shape[1]):
+        mixed = (mixed ^ offsets[:, d].astype(np.uint64)) * np.uint64(0xBF58476D1CE4E5B9)
+    _, first, inverse = np.unique(mixed, return_index=True, return_inverse=True)
+    lead = first[inverse]
+    if not (np.array_equal(owner[lead], owner) and np.array_equal(offsets[lead], offsets)):
+        raise _NotColumns("a hash collision")
+    return first, inverse
+
+
 def _last_of_runs(owner: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
-    """`_last_of_equal` without sorting, where each owner's rows are in non-decreasing order of
+    """`last_of_equal` without sorting, where each owner's rows are in non-decreasing order of
     offsets (as a layout lists its boxes; the empty chunks past a tensor's end come last, alike):
     equal rows are then runs. An empty array: no two alike; None: not in order."""
     same = owner[1:] == owner[:-1]

@@ -51,9 +51,11 @@ from hpckpt.core.codecs.hyperparallel_metadata_columns_read import (
     ColumnsMetadata,
     TensorRecords,
     ValueRecord,
-    _last_of_equal,
+    box_groups,
+    last_of_equal,
 )
 from hpckpt.core.codecs.metadata_schema import dtype_spelling
+from hpckpt.core.codecs.pickle_builder import PickleBuilder
 from hpckpt.core.safety.unpickle import METADATA, loads
 
 _U32 = struct.Struct("<I").unpack_from
@@ -173,7 +175,6 @@ class _Rows:
 
     def __init__(self, arr: np.ndarray, size: int, p: np.ndarray, memo: int):
         self.arr, self.size = arr, size
-        self.windows = np.lib.stride_tricks.as_strided(arr, shape=(len(arr) - 7, 8), strides=(1, 1))
         self.p = p.astype(np.int64)
         self.ok = np.ones(len(p), bool)
         self.memo = np.full(len(p), memo, np.int64)
@@ -188,13 +189,12 @@ class _Rows:
 
     def word(self, k: int = 0) -> np.ndarray:
         """The 8 bytes at each row's p + k, little-endian."""
-        return self.windows[self.p + k].view("<u8")[:, 0]
+        return _words(self.arr, self.p + k)
 
     def expect(self, const: bytes) -> None:
         for k in range(0, len(const), 8):
             piece = const[k:k + 8]
-            mask = np.uint64((1 << (8 * len(piece))) - 1)
-            self.ok &= (self.word(k) & mask) == np.uint64(int.from_bytes(piece, "little"))
+            self.ok &= (self.word(k) & _mask(len(piece))) == _word(piece)
         self.p += len(const)
         self._settle()
 
@@ -211,7 +211,7 @@ class _Rows:
         self._settle()
 
     def _le(self, start: int, nbytes: int) -> np.ndarray:
-        return (self.word(start) & np.uint64((1 << (8 * nbytes)) - 1)).astype(np.int64)
+        return (self.word(start) & _mask(nbytes)).astype(np.int64)
 
     def integer(self, where: np.ndarray | None = None) -> np.ndarray:
         """An int (BININT1, BININT2, BININT, or LONG1 of up to 8 bytes)."""
@@ -415,7 +415,6 @@ class _Walk:
             raise _NotStock("a frame cut after the STOP")
         if keep_from < stop:
             segments.append(("bytes", keep_from, stop))
-        r.final_memo = memo
         for (kind, chain), base in r.chain_base.items():
             r.runs[kind]["chain_base"][chain] = base
         r.finish_rows()
@@ -444,7 +443,7 @@ class _StockReader:
         self.refs: dict[int, dict[bytes, int]] = {}
         self.runs: dict[int, dict[str, np.ndarray]] = {}  # per kind: record and chain columns
         self.chain_at: dict[int, tuple[int, int]] = {}  # body position -> (kind, chain)
-        self.segments: list[Any] = []  # (start, end) of the skeleton, or (kind, chain, whole)
+        self.segments: list[Any] = []  # ("bytes", start, end) of the skeleton, or ("run", kind, chain)
         self.entered: list[tuple[int, int, int, bool]] = []  # (kind, chain, memo base, after MARK)
         self.closing: list[tuple[int, int, int]] = []
         self.inner_cuts: list[int] = []
@@ -454,7 +453,6 @@ class _StockReader:
         self.spliced: dict[int, bytes] = {}  # memo index -> the opcodes that put its string there
         self.run_memo_lo: list[int] = []
         self.run_memo_hi: list[int] = []
-        self.final_memo = 0
         self._objects: tuple | None = None
         self._tuple_sources: tuple | None = None
 
@@ -568,9 +566,9 @@ class _StockReader:
         rows.expect(refs[b"chunks"] + b"]")
         rows.memoize()
         rows.expect(b"(")
-        out = {"ok": rows.ok, "end": rows.p, "memo": rows.memo}
-        for name, (kind, _start, _length, memo, _at) in (("dtype", dtype), ("format", memory_format),
-                                                         ("size", (np.where(size_ref >= 0, 1, 0), 0, 0, size_ref, 0))):
+        out = {"ok": rows.ok, "end": rows.p, "memo": rows.memo, "size_kind": (size_ref >= 0).astype(np.int64),
+               "size_memo": size_ref}
+        for name, (kind, _start, _length, memo, _at) in (("dtype", dtype), ("format", memory_format)):
             out.update({f"{name}_kind": kind, f"{name}_memo": memo})
         return out
 
@@ -584,11 +582,8 @@ class _StockReader:
         if cols is None or not self.run_memo_lo:
             return
         used = cols["row_base"] >= 0
-        lo, hi = np.array(self.run_memo_lo, np.int64), np.array(self.run_memo_hi, np.int64)
         for name in ("dtype", "format", "size"):
-            refs = cols[f"{name}_memo"][used & (cols[f"{name}_kind"] == 1)]
-            at = np.searchsorted(lo, refs, "right") - 1
-            if ((at >= 0) & (refs < hi[at.clip(0)])).any():
+            if self.in_runs(cols[f"{name}_memo"][used & (cols[f"{name}_kind"] == 1)]).any():
                 raise _NotStock("a tensor's head refers into a run")
 
     def _storage_rows(self, starts: np.ndarray, refs: dict[bytes, bytes]) -> dict[str, np.ndarray]:
@@ -635,6 +630,12 @@ class _StockReader:
 
     def chain_memo(self, kind: int, chain: int) -> int:
         return self.chain_lists[kind][1][chain]
+
+    def in_runs(self, indexes: np.ndarray) -> np.ndarray:
+        """`in_run_memo` of many memo indexes at once."""
+        lo, hi = np.array(self.run_memo_lo, np.int64), np.array(self.run_memo_hi, np.int64)
+        at = np.searchsorted(lo, indexes, "right") - 1
+        return (at >= 0) & (indexes < hi[at.clip(0)]) if len(lo) else np.zeros(len(indexes), bool)
 
     def in_run_memo(self, index: int) -> bool:
         lo = self.run_memo_lo
@@ -705,13 +706,8 @@ class _StockReader:
             for name in names if cols is not None else ():
                 ref = cols[f"{name}_ref"]
                 wanted.update(np.unique(ref[(cols["row_base"] >= 0) & (ref >= 0)]).tolist())
-        lo, hi = np.array(self.run_memo_lo, np.int64), np.array(self.run_memo_hi, np.int64)
-        out = []
-        for index in sorted(wanted):
-            i = int(np.searchsorted(lo, index, "right")) - 1
-            if i < 0 or index >= hi[i]:
-                out.append(index)
-        return out
+        indexes = np.array(sorted(wanted), np.int64)
+        return indexes[~self.in_runs(indexes)].tolist()
 
     def tuple_sources(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(memo index, values, count) of every tuple an entered record pushed, by memo index."""
@@ -814,14 +810,8 @@ class _StockReader:
 
 def _last_stored(owner: np.ndarray, offsets: np.ndarray, place: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For each chunk, the chunk of the same tensor at the same offsets whose storage entry
-    comes last in storage_data (grouped by a hash, then checked exactly), and its group's size."""
-    mixed = owner.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-    for d in range(offsets.shape[1]):
-        mixed = (mixed ^ offsets[:, d].astype(np.uint64)) * np.uint64(0xBF58476D1CE4E5B9)
-    _, first, group = np.unique(mixed, return_index=True, return_inverse=True)
-    lead = first[group]
-    if not (np.array_equal(owner[lead], owner) and np.array_equal(offsets[lead], offsets)):
-        raise _NotStock("a hash collision")
+    comes last in storage_data (`place`; -1: it has none), and its group's size."""
+    first, group = box_groups(owner, offsets)
     latest = np.full(len(first), -1, np.int64)
     np.maximum.at(latest, group, place)
     winner = np.zeros(len(first), np.int64)
@@ -840,19 +830,9 @@ def _compact(columns: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def _tuple_opcodes(items: list[int]) -> bytes:
     """The opcodes that push `items` as a tuple (then MEMOIZE, as the stock pickler does)."""
-    out = bytearray(b"(" if len(items) > 3 else b"")
-    for n in items:
-        if 0 <= n < 1 << 8:
-            out += bytes((BININT1, n))
-        elif 0 <= n < 1 << 16:
-            out += bytes((BININT2,)) + struct.pack("<H", n)
-        elif -(1 << 31) <= n < 1 << 31:
-            out += bytes((BININT,)) + struct.pack("<i", n)
-        else:
-            raw = n.to_bytes(9, "little", signed=True)
-            out += bytes((LONG1, 9)) + raw
-    out += b"t" if len(items) > 3 else (b")" if not items else bytes((0x84 + len(items),)))
-    return bytes(out) + (b"\x94" if items else b"")
+    builder = PickleBuilder()
+    builder.tuple_of(items, builder.integer)
+    return bytes(builder.body) + (b"\x94" if items else b"")
 
 
 def _opcode_starts(body: bytes, start: int, end: int) -> set[int]:
@@ -1025,7 +1005,8 @@ class _Assembly:
             raise _NotStock("chunks and no run of them")
         if (offsets < 0).any() or (sizes < 0).any():
             raise _NotStock("a negative offset or size")
-        # storage_data: exactly one entry per chunk, at its position (index) and with its offsets
+        # storage_data: an entry per chunk at its position (index) and offsets, or per group of
+        # chunks at equal offsets (below)
         tensor_of = np.full(len(tensors), -1, np.int64)
         for t, (fqn, _item) in enumerate(tensors):
             tensor_of[t] = self.string_id(fqn)
@@ -1066,7 +1047,7 @@ class _Assembly:
         stored[g] = s_off
         if not np.array_equal(stored, offsets):
             raise _NotStock("a storage key's offsets are not its chunk's")
-        if _last_of_equal(owner, offsets) is not None:
+        if last_of_equal(owner, offsets) is not None:
             # chunks of a tensor at equal offsets (every replica stored) share one storage_data
             # key: the dict keeps the value stored last for them all (the records' own order; an
             # entry the skeleton's dict holds may already be two, so such a group is refused)
