@@ -29,7 +29,8 @@ from hpckpt.cli import run as run_cmd
 from hpckpt.cli import diff as diff_cmd
 from hpckpt.cli import verify as verify_cmd
 from hpckpt.cli import _output
-from hpckpt.cli._errors import UsageErrors
+from hpckpt.cli._errors import UsageErrors, handles_errors
+from hpckpt.cli._option_groups import expand_options
 from hpckpt.cli._options import ShellName, fold_deprecated
 
 
@@ -91,6 +92,8 @@ app.add_typer(run_cmd.app, name="run")
 
 
 @app.command("completion")
+@handles_errors
+@expand_options
 def completion(shell: ShellName = typer.Argument(..., help="The shell to complete in.")) -> None:
     """Print the shell completion script (the files in completions/ are this output)."""
     from hpckpt.cli import completion as render

@@ -23,7 +23,7 @@ _hpckpt_options() {
         'hpckpt convert') _hpckpt_words=(--output -o --to -t --world-size -w --split --mesh --placements --layout-rules --layout-file --framework --names --dtype --include -i --exclude -x --max-shard-size --crc --jobs -j --max-memory --no-fsync --force --parents --no-manifest --skip-unsupported --keep-replicas --dry-run --html --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt convert-ms-torch') _hpckpt_words=(--output -o --to --to-format --name-rules --no-preset --dtype --include -i --exclude -x --crc --max-memory --no-fsync --force --parents --no-manifest --skip-unsupported --dry-run --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt env') _hpckpt_words=(--json --quiet -q --no-progress --debug --help -h) ;;
-        'hpckpt completion') _hpckpt_words=(--help -h) ;;
+        'hpckpt completion') _hpckpt_words=(--json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt run') _hpckpt_words=(--launcher --nproc-per-node --nnodes --node-rank --master-addr --master-port --log-dir --dry-run --help -h) ;;
         'hpckpt run selftest') _hpckpt_words=(--fail-rank --bytes --crash-rank --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt run save') _hpckpt_words=(--output -o --size --dtype --from --mesh --placements --layout-rules --layout-file --split --coordination --async --force --json --quiet -q --no-progress --debug --help -h) ;;

@@ -198,6 +198,10 @@ complete -c hpckpt -n '__fish_seen_subcommand_from env' -l debug -d 'Show the fu
 complete -c hpckpt -n '__fish_seen_subcommand_from env' -l help -s h -d 'Show this message and exit.'
 
 # hpckpt completion
+complete -c hpckpt -n '__fish_seen_subcommand_from completion' -l json -d 'Print one JSON document (also before the command).'
+complete -c hpckpt -n '__fish_seen_subcommand_from completion' -l quiet -s q -d 'No progress and no informational lines; warnings about lost data are still printed.'
+complete -c hpckpt -n '__fish_seen_subcommand_from completion' -l no-progress -d 'No progress display on stderr.'
+complete -c hpckpt -n '__fish_seen_subcommand_from completion' -l debug -d 'Show the full traceback when the command fails.'
 complete -c hpckpt -n '__fish_seen_subcommand_from completion' -l help -s h -d 'Show this message and exit.'
 complete -c hpckpt -n '__fish_seen_subcommand_from completion' -F
 

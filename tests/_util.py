@@ -23,6 +23,16 @@ FIXTURE_NAMES = (
 )
 
 
+def children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's children that have ended (their rusage): a
+    test's own subprocesses' CPU, taken as a difference around them, which another test file
+    running beside this one does not change (it is another process tree)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def missing_fixtures() -> list[str]:
     """The fixture directories the tests expect but cannot find (empty when all are there)."""
     return [name for name in FIXTURE_NAMES if not (FIXTURES / name).is_dir()]

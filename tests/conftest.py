@@ -18,8 +18,17 @@ def pytest_sessionstart(session) -> None:
     starts its hundreds of `hpckpt` and job processes: where PYTHONDONTWRITEBYTECODE is set (the
     machines here set it), a fresh clone has none, and every process would compile each module it imports again
     (`hpckpt inspect` of a tiny checkpoint: 0.5-0.6 s instead of 0.33 s)."""
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller has written it
+        return
     skip = re.compile(r"[/\\](\.venv|\.git|\.node|node_modules|fixtures)([/\\]|$)")
     compileall.compile_dir(Path(__file__).resolve().parent.parent, rx=skip, quiet=2)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject's addopts): one worker per core, at most 4. The test files were sized for
+    two cores, and each real job starts several processes of its own: more workers than cores
+    would only slow those jobs down, and past four they wait on each other."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _util import children_cpu_seconds
 from hostile_catalogue import CASES, MEMORY_SHAPES, build_all
 from hpckpt.core.errors import ERROR_CLASSES
 from inprocess import MEMORY_MIB
@@ -31,7 +32,10 @@ from inprocess import MEMORY_MIB
 HERE = Path(__file__).parent
 DOCUMENTED = {0} | {cls.exit_code for cls in ERROR_CLASSES}
 DRIVERS = 2
-DRIVER_SECONDS = 75  # both drivers, wall clock: measured ~45 s on 2 busy cores
+#: both drivers together, CPU seconds (user + system, from their rusage): what "fast" means here,
+#: whatever else shares the cores (the suite runs two test files at once)
+DRIVER_CPU_SECONDS = 120  # measured 63 s on an idle machine
+DRIVER_SECONDS = 240  # wall clock: a hang guard only (two drivers beside another test file's work)
 WRITTEN = {"dst", "dst.safetensors", "dst.values.json", "dst.pt", "dst.safetensors.hpckpt-manifest.jsonl",
            "dst.pt.hpckpt-manifest.jsonl"}
 CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")
@@ -64,7 +68,7 @@ def hostile(tmp_path_factory):
     manifest = build_all(root / "cases")
     before = tree_digest(root / "cases")
     (root / "work").mkdir()
-    started = time.perf_counter()
+    started, cpu_before = time.perf_counter(), children_cpu_seconds()
     procs = []
     for group in range(DRIVERS):  # one driver per core, each on every DRIVERS-th case
         part = {name: spec for i, (name, spec) in enumerate(manifest.items()) if i % DRIVERS == group}
@@ -76,12 +80,12 @@ def hostile(tmp_path_factory):
     for proc in procs:
         _out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-3000:]
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, children_cpu_seconds() - cpu_before
     reports = [json.loads((root / f"results{group}.json").read_text()) for group in range(DRIVERS)]
     results = {"torch_imported": any(r["torch_imported"] for r in reports),
                "cases": {name: r for report in reports for name, r in report["cases"].items()}}
     return {"manifest": manifest, "results": results, "before": before, "after": tree_digest(root / "cases"),
-            "elapsed": elapsed}
+            "elapsed": elapsed, "cpu": cpu}
 
 
 def problems_of(spec: dict, command: str, result: dict) -> list[str]:
@@ -134,6 +138,8 @@ def test_the_catalogue_is_large():
 
 def test_the_driver_is_fast_and_never_imports_torch(hostile):
     assert not hostile["results"]["torch_imported"]
+    print(f"\nhostile drivers: {hostile['cpu']:.1f} s of CPU, {hostile['elapsed']:.1f} s wall")
+    assert hostile["cpu"] < DRIVER_CPU_SECONDS, f"the drivers used {hostile['cpu']:.1f} s of CPU"
     assert hostile["elapsed"] < DRIVER_SECONDS, f"driver took {hostile['elapsed']:.1f} s"
 
 
