@@ -28,7 +28,7 @@ _hpckpt_options() {
         'hpckpt run selftest') _hpckpt_words=(--fail-rank --bytes --crash-rank --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt run save') _hpckpt_words=(--output -o --size --dtype --from --mesh --placements --layout-rules --layout-file --split --coordination --async --force --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt run load') _hpckpt_words=(--mesh --placements --layout-rules --layout-file --split --check --strict --no-strict --broadcast --storage-bandwidth --network-bandwidth --json --quiet -q --no-progress --debug --help -h) ;;
-        'hpckpt run reshard') _hpckpt_words=(--output -o --world-size -w --split --mesh --placements --layout-rules --layout-file --keep-layout --include -i --exclude -x --dtype --framework --max-memory --no-fsync --force --parents --no-manifest --json --quiet -q --no-progress --debug --help -h) ;;
+        'hpckpt run reshard') _hpckpt_words=(--output -o --to -t --world-size -w --split --mesh --placements --layout-rules --layout-file --keep-layout --include -i --exclude -x --dtype --framework --keep-replicas --max-memory --no-fsync --force --parents --no-manifest --json --quiet -q --no-progress --debug --help -h) ;;
         'hpckpt run bench') _hpckpt_words=(--size --from --dtype --mesh --placements --layout-rules --split --rounds --output -o --json --quiet -q --no-progress --debug --help -h) ;;
         *) _hpckpt_words=() ;;
     esac
@@ -131,6 +131,7 @@ _hpckpt_value() {
         'hpckpt run load --storage-bandwidth') _hpckpt_kind=none ;;
         'hpckpt run load --network-bandwidth') _hpckpt_kind=none ;;
         'hpckpt run reshard --output'|'hpckpt run reshard -o') _hpckpt_kind=file ;;
+        'hpckpt run reshard --to'|'hpckpt run reshard -t') _hpckpt_kind=choice _hpckpt_words=(hyperparallel hp torch-dcp mindformers mf) ;;
         'hpckpt run reshard --world-size'|'hpckpt run reshard -w') _hpckpt_kind=none ;;
         'hpckpt run reshard --split') _hpckpt_kind=choice _hpckpt_words=(balanced ceil) ;;
         'hpckpt run reshard --mesh') _hpckpt_kind=none ;;

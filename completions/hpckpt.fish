@@ -269,7 +269,8 @@ complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcomma
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from load' -F
 
 # hpckpt run reshard
-complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from reshard' -l output -s o -r -F -d 'Destination directory (HyperParallel DCP; a path or an s3:// URL).'
+complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from reshard' -l output -s o -r -F -d 'Destination directory (a path or an s3:// URL).'
+complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from reshard' -l to -s t -x -a 'hyperparallel hp torch-dcp mindformers mf' -d 'The destination\'s format: hyperparallel (hp), torch-dcp or mindformers (mf).'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from reshard' -l world-size -s w -x -d 'FSDP-style target: dim 0 split over N ranks.'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from reshard' -l split -x -a 'balanced ceil' -d 'Uneven split rule: balanced (HyperParallel) or ceil (PyTorch).'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from reshard' -l mesh -x -d 'Target device mesh, e.g. 2x4.'
@@ -281,6 +282,7 @@ complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcomma
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from reshard' -l exclude -s x -x -d 'Leave out entries matching (repeatable).'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from reshard' -l dtype -x -a 'bf16 fp16 fp32 fp64 bfloat16 float16 float32 float64' -d 'Cast floating tensors.'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from reshard' -l framework -x -a 'torch mindspore' -d 'dtype strings as torch or mindspore writes them (default: the source\'s).'
+complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from reshard' -l keep-replicas -d 'mindformers: every rank holding a replicated box writes it (MindFormers without remove-redundancy); default: each box once.'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from reshard' -l max-memory -x -d 'Memory budget for copy buffers.'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from reshard' -l no-fsync -d 'Skip fsync: faster; still safe if killed, not on power loss.'
 complete -c hpckpt -n '__fish_seen_subcommand_from run; and __fish_seen_subcommand_from reshard' -l force -d 'Replace an existing destination.'

@@ -230,6 +230,14 @@ def test_every_command_answers_with_the_envelope(tmp_path):
     assert list(doc)[:len(ENVELOPE)] == ENVELOPE and doc["finalized"] is True
 
 
+@pytest.mark.parametrize("where", ["missing", "missing/and/its/parents"])
+def test_finalize_of_a_missing_directory_says_so_and_leaves_nothing(tmp_path, where):
+    result = cli("reshard", "--finalize", tmp_path / where)
+    assert result.exit_code == 3, result.stderr
+    assert result.stderr.splitlines()[0] == f"error: {tmp_path / where}: no such directory (the fanned-out output to finalize)"
+    assert list(tmp_path.iterdir()) == []  # no lock file beside it
+
+
 def test_written_lists_every_file_of_the_output(tmp_path):
     out = tmp_path / "r"
     doc = document(cli("reshard", TINY, "-o", out, "--world-size", "3", "--json"))

@@ -125,10 +125,11 @@ def test_specs_carry_every_option_with_unset_ones_null(tmp_path):
                      "placements": None, "rules": None, "split": "balanced", "rounds": 2, "out": None}
     _, _, reshard = dry_run("reshard", tmp_path / "ck", "-o", tmp_path / "o", "--mesh", "2x2", "--placements", "S0,R",
                             "--include", "model.*", "--max-memory", "8MiB", "--no-fsync")
-    assert set(reshard) == {"job", "src", "out", "world_size", "split", "mesh", "placements", "rules", "layout_files",
+    assert set(reshard) == {"job", "src", "out", "to", "keep_replicas", "world_size", "split", "mesh", "placements", "rules", "layout_files",
                             "keep_layout", "include", "exclude", "dtype", "framework", "max_memory", "no_fsync",
                             "force", "parents", "no_manifest"}
     assert reshard["include"] == ["model.*"] and reshard["exclude"] is None and reshard["no_fsync"] is True
+    assert reshard["to"] == "hyperparallel" and reshard["keep_replicas"] is False
 
 
 # -- option checks ------------------------------------------------------------------------------

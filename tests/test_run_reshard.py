@@ -3,7 +3,8 @@
 The proof: real torchrun jobs of 2 and 4 workers write outputs whose every file (names and
 sha256, metadata and manifest included) equals the one-process `hpckpt reshard` output of
 the same target options. One launch per worker count runs many cases (a launch costs ~10 s):
-several targets, more workers than target ranks, an existing destination (refused on every
+several targets in the three layout formats (HyperParallel, PyTorch DCP, MindFormers with
+`--keep-replicas`), more workers than target ranks, an existing destination (refused on every
 worker, left alone), `--force`, and a real failure on a non-coordinator worker (its share does
 not fit a small tmpfs: no output, no leftovers, every worker names worker 1). The share
 assignment and the failure bookkeeping are pure functions, tested without processes; one
@@ -200,8 +201,9 @@ def _launch(nproc: int, cases: list[dict], work: Path) -> dict[int, dict]:
 
 
 def _check_written(outcomes: dict[int, dict], case: str, reference: dict, out: Path, ref_dir: Path,
-                   writing_workers: int) -> None:
-    """Byte-identical output; every target rank written by exactly one worker; the figures add up."""
+                   writing_workers: int, beside: int = 0) -> None:
+    """Byte-identical output; every target rank written by exactly one worker; the figures add up
+    (`beside`: files finalize writes next to the output, MindFormers' tracker)."""
     assert digests(out) == digests(ref_dir), case
     results = [outcomes[r][case]["result"] for r in sorted(outcomes)]
     ranks = sorted(t for result in results for t in result["target_ranks"])
@@ -213,7 +215,7 @@ def _check_written(outcomes: dict[int, dict], case: str, reference: dict, out: P
         assert outcomes[rank][case]["progress_total"] == outcomes[rank][case]["progress_done"] \
             == result["bytes_written"], case
         assert ("finalized" in result) == (rank == 0), case
-    assert results[0]["finalized"] is True and results[0]["output_files"] == len(digests(ref_dir)), case
+    assert results[0]["finalized"] is True and results[0]["output_files"] == len(digests(ref_dir)) + beside, case
 
 
 def _check_failed(outcomes: dict[int, dict], case: str, worker: int, kind: str, exit_code: int) -> str:
@@ -238,10 +240,12 @@ def _hpckpt_run(nproc: int, work: Path, *args: str) -> subprocess.CompletedProce
 @pytest.mark.dist
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_hpckpt_run_reshard_matches_the_one_process_reshard(source, tmp_path, nproc):
-    reference = one_process(source, tmp_path / "ref", "--world-size", "8")
-    done = _hpckpt_run(nproc, tmp_path, str(source), "-o", str(tmp_path / "out"), "--world-size", "8", "--json")
+    to = ["--to", "torch-dcp"] if nproc == 4 else []  # the option reaches the workers
+    reference = one_process(source, tmp_path / "ref", "--world-size", "8", *to)
+    done = _hpckpt_run(nproc, tmp_path, str(source), "-o", str(tmp_path / "out"), "--world-size", "8", *to, "--json")
     assert done.returncode == 0, done.stderr
     assert digests(tmp_path / "out") == digests(tmp_path / "ref")
+    assert (tmp_path / "out" / ("__7_0.distcp" if to else "_rank7_.safetensors")).is_file()
     report = json.loads(done.stdout)
     ranks = report["ranks"]
     assert [r["rank"] for r in ranks] == list(range(nproc))
@@ -276,7 +280,10 @@ def test_workers_match_one_process_and_fail_as_one(source, tmp_path):
                 "rules": one_process(source, tmp_path / "ref-rules", "--layout-rules", str(_rules(tmp_path)),
                                      "--exclude", "optimizer.*"),
                 "ws1": one_process(source, tmp_path / "ref-ws1", "--world-size", "1"),
-                "ws3": one_process(source, tmp_path / "ref-ws3", "--world-size", "3")}
+                "ws3": one_process(source, tmp_path / "ref-ws3", "--world-size", "3"),
+                "dcp": one_process(source, tmp_path / "ref-dcp", "--to", "torch-dcp", "--world-size", "3"),
+                "mf": one_process(source, tmp_path / "ref-mf" / "iteration_00000007", "--to", "mf", "--keep-replicas",
+                                  "--mesh", "2", "--placements", "R", "--parents")}
         before = digests(tmp_path / "ref-ws1")
         (tmp_path / "replace").mkdir()  # an old output --force replaces: a copy of another reshard
         for name in before:
@@ -288,6 +295,9 @@ def test_workers_match_one_process_and_fail_as_one(source, tmp_path):
             {"name": "ws1", "spec": spec(source, tmp_path / "ws1", world_size=1)},
             {"name": "exists", "spec": spec(source, tmp_path / "ref-ws1", world_size=3)},
             {"name": "force", "spec": spec(source, tmp_path / "replace", world_size=3, force=True)},
+            {"name": "dcp", "spec": spec(source, tmp_path / "dcp", to="torch-dcp", world_size=3)},
+            {"name": "mf", "spec": spec(source, tmp_path / "mf" / "iteration_00000007", to="mf", keep_replicas=True,
+                                        mesh="2", placements="R", parents=True)},
         ]
         if mounted:  # worker 1's share (two of three target ranks, ~1.9 MiB) does not fit; worker 0's does
             cases.append({"name": "no-space", "spec": spec(source, tmpfs / "out", world_size=3)})
@@ -298,6 +308,13 @@ def test_workers_match_one_process_and_fail_as_one(source, tmp_path):
         _check_written(outcomes, "ws1", refs["ws1"], tmp_path / "ws1", tmp_path / "ref-ws1", 1)
         assert outcomes[1]["ws1"]["result"]["target_ranks"] == []  # the extra worker took part, wrote nothing
         _check_written(outcomes, "force", refs["ws3"], tmp_path / "replace", tmp_path / "ref-ws3", 2)
+        _check_written(outcomes, "dcp", refs["dcp"], tmp_path / "dcp", tmp_path / "ref-dcp", 2)
+        assert (tmp_path / "dcp" / "__0_0.distcp").is_file()  # PyTorch DCP's own names
+        mf, ref_mf = tmp_path / "mf" / "iteration_00000007", tmp_path / "ref-mf" / "iteration_00000007"
+        _check_written(outcomes, "mf", refs["mf"], mf, ref_mf, 2, beside=1)
+        tensor_bytes = 1000 * 600 * 4 + 333 * 4 + 517 * 256 * 2 + 4
+        assert refs["mf"]["bytes_written"] == 2 * tensor_bytes  # --keep-replicas: both ranks write every tensor
+        assert digests(tmp_path / "mf") == digests(tmp_path / "ref-mf")  # MindFormers' tracker beside it too
         message = _check_failed(outcomes, "exists", 0, "destination-exists", 14)
         assert str(tmp_path / "ref-ws1") in message
         assert digests(tmp_path / "ref-ws1") == before  # left alone

@@ -91,18 +91,21 @@ def load(
 def reshard(
     ctx: typer.Context,
     src: opt.Source,
-    out: Annotated[Path, typer.Option("--output", "-o", parser=location, help="Destination directory (HyperParallel DCP; a path or an s3:// URL).")],
+    out: Annotated[Path, typer.Option("--output", "-o", parser=location, help="Destination directory (a path or an s3:// URL).")],
+    to: Annotated[opt.LayoutFormatName, typer.Option(
+        "--to", "-t", help="The destination's format: hyperparallel (hp), torch-dcp or mindformers (mf).")] = "hyperparallel",
     layout: TargetLayout = TargetLayout(),
     select: Select = Select(),
     dtype: opt.DType = None,
     framework: opt.Framework = None,
+    keep_replicas: opt.KeepReplicas = False,
     write: Write = Write(),
 ) -> None:
     """The offline reshard spread over the workers: each writes its share of the target ranks."""
     layout.check()
     checks.size(write.max_memory, "--max-memory")
-    start(ctx, {"job": "reshard", "src": checks.absolute(src), "out": checks.absolute(out),
-                "world_size": layout.world_size, **checks.layout_part(layout), "keep_layout": layout.keep_layout,
+    start(ctx, {"job": "reshard", "src": checks.absolute(src), "out": checks.absolute(out), "to": to,
+                "keep_replicas": keep_replicas, "world_size": layout.world_size, **checks.layout_part(layout), "keep_layout": layout.keep_layout,
                 "include": select.include or None, "exclude": select.exclude or None, "dtype": dtype,
                 "framework": framework, "max_memory": write.max_memory, "no_fsync": write.no_fsync,
                 "force": write.force, "parents": write.parents, "no_manifest": write.no_manifest})

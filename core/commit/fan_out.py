@@ -32,6 +32,7 @@ from hpckpt.core.errors import (
     HpckptError,
     MissingFileError,
     NotACheckpointError,
+    PathNotFoundError,
 )
 from hpckpt.core.storage.object_path import is_object
 
@@ -151,6 +152,7 @@ def finalize(dest: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
     its job wrote it; return the names of its data files and of the metadata files written.
 
     Raises:
+        PathNotFoundError: `dest` does not exist (checked before its lock is taken beside it).
         NotACheckpointError: `dest` holds no fan-out fragments.
         CorruptMetadataError: the fragments come from different plans.
         MissingFileError: some files are missing (the message names one).
@@ -158,6 +160,9 @@ def finalize(dest: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
         DestinationLockedError: a job is still writing into `dest`.
     """
     dest = Path(dest)
+    if not dest.exists():
+        raise PathNotFoundError(f"{dest}: no such directory (the fanned-out output to finalize)",
+                                hint="give the directory the `hpckpt reshard ... --rank R` runs wrote into")
     try:
         with DestinationLock(dest):
             remove_stale_temporaries(dest)

@@ -103,6 +103,7 @@ class _Job:
         self.settings = WriteSettings(max_memory=parse_size(spec.get("max_memory") or "64MiB"),
                                       sync=not spec.get("no_fsync"), parents=bool(spec.get("parents")),
                                       manifest=not spec.get("no_manifest"), progress=ctx.progress)
+        self.target = {"to": spec.get("to") or "hyperparallel", "keep_replicas": bool(spec.get("keep_replicas"))}
         self.index = self.layout = None
         self.replacing = SetAside(self.dst, bool(spec.get("force")))
 
@@ -129,7 +130,7 @@ class _Job:
         if not coordinator:
             return None
         report = api.reshard(self.src, self.dst, self.layout, select=self.select, framework=s.get("framework"),
-                             dtype=s.get("dtype"), dry_run=True, index=self.index)
+                             dtype=s.get("dtype"), dry_run=True, index=self.index, **self.target)
         stored = {r.rank: r.bytes_written for r in report.plan.ranks}
         return [stored.get(rank, 0) for rank in range(report.plan.world_size)]
 
@@ -149,7 +150,7 @@ class _Job:
         s = self.spec
         report = api.reshard(self.src, self.dst, self.layout, select=self.select, ranks=ranks,
                              framework=s.get("framework"), dtype=s.get("dtype"), settings=self.settings,
-                             index=self.index)
+                             index=self.index, **self.target)
         return {"bytes_written": report.bytes_written, "bytes_read": report.bytes_read, "files": report.files}
 
     def finalize(self) -> int:
