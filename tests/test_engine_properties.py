@@ -73,11 +73,13 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
             and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes())
 
 
-def recorded_once(boxes: list[Box]) -> set[Box]:
+def recorded_once(layout, shape: tuple[int, ...]) -> set[Box]:
     """The boxes a checkpoint records of a layout's: of those that start at the same offsets (only
-    empty ones do, and they would share a metadata key), the non-empty one, else the first."""
+    empty ones do, and they would share a metadata key), the non-empty one, else the first in rank
+    order (each rank's boxes in its own order: on a permuted mesh that is not the mesh's order)."""
     chosen: dict[tuple[int, ...], Box] = {}
-    for box in boxes:
+    by_rank = layout.all_boxes(shape)
+    for box in (b for rank in sorted(by_rank) for b in by_rank[rank]):
         if box.offsets not in chosen or (chosen[box.offsets].is_empty and not box.is_empty):
             chosen[box.offsets] = box
     return set(chosen.values())
@@ -130,8 +132,7 @@ def test_reshard_then_consolidate_is_identity(tensors, target_mesh, seed, reshar
         assert api.verify(root / "dst")["exit_code"] == 0
         index = open_index(root / "dst")
         for fqn, array in originals.items():
-            boxes = target.resolve(fqn, array.shape).unique_boxes(array.shape)
-            want = recorded_once(boxes)
+            want = recorded_once(target.resolve(fqn, array.shape), array.shape)
             assert {c.box for c in index.tensors[fqn].chunks} == want, fqn
         assert index.decode_value("extra.step") == seed
         api.consolidate(root / "dst", root / "whole.safetensors", settings=api.WriteSettings(max_memory=consolidate_memory))
@@ -341,6 +342,20 @@ def test_all_empty_boxes_that_share_a_start_are_recorded_once(tmp_path):
     assert sorted(c.box.offsets for c in chunks) == [(0, 0), (1, 0), (2, 0)]
     api.consolidate(tmp_path / "dst", tmp_path / "t.safetensors")
     assert tuple(load_file(str(tmp_path / "t.safetensors"))["t"].shape) == (2, 0)
+
+
+def test_of_empty_boxes_sharing_a_start_the_first_in_rank_order_is_recorded(tmp_path):
+    """[0, 2] onto a permuted 2x2 mesh (ranks 0, 2, 1, 3), [S1, S1]: every box is empty, and two
+    start at [0, 1] (sizes [0, 1] and [0, 0]); the one the lowest rank holds is recorded, whatever
+    the mesh's order (found by the property above, whose oracle took the mesh's order)."""
+    (tmp_path / "src").mkdir()
+    write_checkpoint(tmp_path / "src", {"t": (dtypes.dtype("float32"), (0, 2), [ChunkData(0, Box((0, 0), (0, 2)), b"")])})
+    layout = LayoutSpec(Mesh((2, 2), (0, 2, 1, 3)), (Shard(1), Shard(1)))
+    api.reshard(tmp_path / "src", tmp_path / "dst", layout)
+    assert api.verify(tmp_path / "dst")["exit_code"] == 0
+    chunks = {c.box for c in open_index(tmp_path / "dst").tensors["t"].chunks}
+    assert chunks == recorded_once(layout.resolve("t", (0, 2)), (0, 2))
+    assert Box((0, 1), (0, 1)) in chunks and Box((0, 1), (0, 0)) not in chunks  # rank 1's, not rank 2's
 
 
 @settings(max_examples=300, deadline=None)
