@@ -105,7 +105,8 @@ def reshard(
     layout.check()
     checks.size(write.max_memory, "--max-memory")
     start(ctx, {"job": "reshard", "src": checks.absolute(src), "out": checks.absolute(out), "to": to,
-                "keep_replicas": keep_replicas, "world_size": layout.world_size, **checks.layout_part(layout), "keep_layout": layout.keep_layout,
+                "keep_replicas": keep_replicas, "world_size": layout.world_size, **checks.layout_part(layout),
+                "keep_layout": layout.keep_layout,
                 "include": select.include or None, "exclude": select.exclude or None, "dtype": dtype,
                 "framework": framework, "max_memory": write.max_memory, "no_fsync": write.no_fsync,
                 "force": write.force, "parents": write.parents, "no_manifest": write.no_manifest})

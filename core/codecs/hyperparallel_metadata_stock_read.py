@@ -910,17 +910,17 @@ class _Assembly:
                 refs = ref[rows]
                 if (refs >= cols["row_base"][rows] + cols[f"{name}_at"][rows]).any():
                     raise _NotStock("a reference to a memo entry not made yet")
-                at = np.searchsorted(memo, refs).clip(0, max(len(memo) - 1, 0))
-                hit = (memo[at] == refs) if len(memo) else np.zeros(len(refs), bool)
+                at, hit = _find(memo, refs)
                 sk_memo, sk_values, sk_counts = self._skeleton_tuples()
                 width = max(values.shape[1], cols[name].shape[1], sk_values.shape[1])
                 got = np.zeros((len(refs), width), np.int64)
                 got[hit, :values.shape[1]] = values[at[hit]]
-                n = np.where(hit, counts[at] if len(memo) else 0, 0)
+                n = np.zeros(len(refs), np.int64)
+                n[hit] = counts[at[hit]]
                 missed = np.flatnonzero(~hit)
                 if len(missed):  # the skeleton's tuples (read back at its end)
-                    k = np.searchsorted(sk_memo, refs[missed]).clip(0, max(len(sk_memo) - 1, 0))
-                    if not len(sk_memo) or not np.array_equal(sk_memo[k], refs[missed]):
+                    k, found = _find(sk_memo, refs[missed])
+                    if not found.all():
                         raise _NotStock("a reference to something not a tuple of ints")
                     got[missed, :sk_values.shape[1]] = sk_values[k]
                     n[missed] = sk_counts[k]
@@ -1111,18 +1111,15 @@ class _Assembly:
             if (refs >= base[is_ref] + cols[f"{name}_at"][rows][is_ref]).any():
                 raise _NotStock("a reference to a memo entry not made yet")
             resolved = np.full(len(refs), -1, np.int64)
-            if len(pushed_memo):
-                at = np.searchsorted(pushed_memo, refs).clip(0, len(pushed_memo) - 1)
-                hit = pushed_memo[at] == refs
-                resolved[hit] = pushed_ids[at[hit]]
+            at, hit = _find(pushed_memo, refs)
+            resolved[hit] = pushed_ids[at[hit]]
             missed = resolved < 0
             if missed.any():  # the skeleton's strings (read back at its end)
                 indexes, ids = self._skeleton_strings()
-                at = np.searchsorted(indexes, refs[missed]).clip(0, max(len(indexes) - 1, 0))
-                found = ids[at] if len(ids) else np.full(int(missed.sum()), -1)
-                if len(ids) == 0 or not np.array_equal(indexes[at], refs[missed]) or (found < 0).any():
+                at, found = _find(indexes, refs[missed])
+                if not found.all() or (ids[at] < 0).any():
                     raise _NotStock("a reference to something not a str")
-                resolved[missed] = found
+                resolved[missed] = ids[at]
             out[is_ref] = resolved
         return out
 
@@ -1166,6 +1163,14 @@ class _Assembly:
         order = np.argsort(memo, kind="stable")
         self._pushed_cache = (np.concatenate(ids)[order], memo[order])
         return self._pushed_cache
+
+
+def _find(keys: np.ndarray, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each of `queries` is in the sorted `keys`, and whether it is there at all."""
+    if not len(keys):
+        return np.zeros(len(queries), np.int64), np.zeros(len(queries), bool)
+    at = np.searchsorted(keys, queries).clip(0, len(keys) - 1)
+    return at, keys[at] == queries
 
 
 def _width(values: np.ndarray, width: int) -> np.ndarray:
