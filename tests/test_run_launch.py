@@ -248,6 +248,21 @@ def test_report_lists_this_node_s_ranks_and_totals(tmp_path):
     assert document["log_dir"] == str(tmp_path)
 
 
+def test_report_says_what_the_ranks_left_out_once_in_its_envelope(tmp_path):
+    """A reshard's ranks each report what their share left out or warned of (the same entries,
+    or none for a rank that wrote nothing): the document lists each once, the rows none."""
+    skipped = [{"name": "extra.step", "reason": "not in the format"}]
+    for rank, notes in {0: (skipped, ["layout: x"]), 1: (skipped + [{"name": "b", "reason": "r"}], ["layout: x"]),
+                        2: ([], [])}.items():
+        _rank(tmp_path, rank, "ok", exit_code=0)
+        job_files.write_json(job_files.result_path(tmp_path, rank),
+                             {"rank": rank, "bytes_written": 1, "skipped": notes[0], "converted": [], "warnings": notes[1]})
+    document = report.report(_plan(tmp_path, 3), job_files.read_run(tmp_path))
+    assert document["skipped"] == skipped + [{"name": "b", "reason": "r"}]
+    assert document["warnings"] == ["layout: x"] and document["converted"] == []
+    assert all(set(r) == {"rank", "bytes_written"} for r in document["ranks"])
+
+
 def test_a_rank_without_result_makes_the_job_incomplete(tmp_path):
     _rank(tmp_path, 0, "ok")
     job_files.write_json(job_files.result_path(tmp_path, 0), {})

@@ -312,6 +312,11 @@ def test_workers_match_one_process_and_fail_as_one(source, tmp_path):
         assert (tmp_path / "dcp" / "__0_0.distcp").is_file()  # PyTorch DCP's own names
         mf, ref_mf = tmp_path / "mf" / "iteration_00000007", tmp_path / "ref-mf" / "iteration_00000007"
         _check_written(outcomes, "mf", refs["mf"], mf, ref_mf, 2, beside=1)
+        assert refs["mf"]["skipped"]  # the values MindFormers' files do not hold: each share says so
+        for rank in sorted(outcomes):
+            result = outcomes[rank]["mf"]["result"]
+            assert [result[k] for k in ("skipped", "converted", "warnings")] == \
+                [refs["mf"][k] for k in ("skipped", "converted", "warnings")], rank
         tensor_bytes = 1000 * 600 * 4 + 333 * 4 + 517 * 256 * 2 + 4
         assert refs["mf"]["bytes_written"] == 2 * tensor_bytes  # --keep-replicas: both ranks write every tensor
         assert digests(tmp_path / "mf") == digests(tmp_path / "ref-mf")  # MindFormers' tracker beside it too

@@ -10,6 +10,9 @@ from hpckpt.core import job_files
 from hpckpt.core.errors import JobFailedError
 
 IDENTITY_FIELDS = {"rank", "world_size", "local_rank", "node_rank", "pid"}
+#: A reshard's lists of what its output leaves out, converts or warns of (each writing rank's
+#: result carries its share's: `hpckpt.dist.jobs.reshard_job.NOTES`, not imported here)
+NOTES = ("skipped", "converted", "warnings")
 
 
 def _numeric(value: Any) -> bool:
@@ -36,12 +39,17 @@ def report(plan: LaunchPlan, run: job_files.RunFiles) -> dict:
     (`written`: what a save or reshard wrote), this node's ranks, and their totals."""
     from hpckpt.api.reports import envelope
 
-    results = []
+    results, notes = [], {}
     for rank, files in run.ranks.items():
         result = files.result if isinstance(files.result, dict) else {"value": files.result}
-        results.append({"rank": rank, **{k: v for k, v in result.items() if k != "rank"}})
+        for name in (n for n in NOTES if n in result):  # each writing rank's share says them again: once here
+            said = notes.setdefault(name, [])
+            said += [entry for entry in result[name] if entry not in said]
+        results.append({"rank": rank, **{k: v for k, v in result.items() if k != "rank" and k not in NOTES}})
     written = [str(plan.spec["out"])] if plan.spec["job"] in ("save", "reshard") and plan.spec.get("out") else []
-    return {**envelope("run", written=written), "job": plan.spec["job"], "launcher": plan.launcher,
+    converted = {"converted": notes["converted"]} if "converted" in notes else {}
+    return {**envelope("run", written=written, skipped=notes.get("skipped", ()), warnings=notes.get("warnings", ())),
+            **converted, "job": plan.spec["job"], "launcher": plan.launcher,
             "world_size": plan.world_size, "nodes": plan.nnodes, "ranks": results, "totals": totals(results),
             "log_dir": str(plan.run_dir)}
 

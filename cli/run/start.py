@@ -58,6 +58,7 @@ def start(ctx: typer.Context, spec: dict) -> None:
             _output.warn(outcome.message)
         report.check_complete(plan, outcome.run)
         document = report.report(plan, outcome.run)
+        _output.warn_skipped(document)  # what the output leaves out, as the one-process command says it
         if _output.json_mode():
             _output.emit_json(document)
         else:

@@ -27,6 +27,10 @@ from hpckpt.core.geometry.assign import least_loaded
 from hpckpt.core.storage.urls import as_path
 
 COORDINATOR = 0
+#: What a share's write leaves out, converts or warns of (the one-process report's lists, known
+#: once written: a dry run does not know what a writer drops): each writing worker's result
+#: carries its own, and the report of every node says them once (`cli/run/report.py`).
+NOTES = ("skipped", "converted", "warnings")
 
 
 # -- the share of each worker (pure) -------------------------------------------------------------
@@ -145,13 +149,14 @@ class _Job:
 
         if not ranks:
             self.ctx.progress.start(0)
-            return {"bytes_written": 0, "bytes_read": 0, "files": 0}
+            return {"bytes_written": 0, "bytes_read": 0, "files": 0, **{name: [] for name in NOTES}}
         self.ctx.phase(f"writing target ranks {_ranks_text(ranks)}")
         s = self.spec
         report = api.reshard(self.src, self.dst, self.layout, select=self.select, ranks=ranks,
                              framework=s.get("framework"), dtype=s.get("dtype"), settings=self.settings,
                              index=self.index, **self.target)
-        return {"bytes_written": report.bytes_written, "bytes_read": report.bytes_read, "files": report.files}
+        return {"bytes_written": report.bytes_written, "bytes_read": report.bytes_read, "files": report.files,
+                **{name: report[name] for name in NOTES}}
 
     def finalize(self) -> int:
         """The coordinator: the metadata, once every share is there; the old output goes."""
