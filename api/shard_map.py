@@ -40,12 +40,11 @@ def planned_map(plan: Plan) -> dict:
     box with the rank that will store it. A plan tiles each tensor, so it has no problems."""
     columns = _Columns(plan.world_size)
     for tensor in plan.tensors:
-        if tensor.boxes:
-            columns.add(np.array([b.box.offsets for b in tensor.boxes], np.int64).reshape(len(tensor.boxes), -1),
-                        np.array([b.box.sizes for b in tensor.boxes], np.int64).reshape(len(tensor.boxes), -1),
-                        np.array([b.rank for b in tensor.boxes], np.int32), tensor.dtype.itemsize)
+        boxes = tensor.columns
+        if len(boxes):
+            columns.add(boxes.offsets, boxes.sizes, boxes.ranks.astype(np.int32), tensor.dtype.itemsize)
         nbytes = int(np.prod(tensor.shape, dtype=np.int64)) * tensor.dtype.itemsize
-        columns.row(tensor.fqn, tensor.dtype.name, tensor.shape, "", nbytes, len(tensor.boxes))
+        columns.row(tensor.fqn, tensor.dtype.name, tensor.shape, "", nbytes, len(boxes))
     return columns.document({})
 
 

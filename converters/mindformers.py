@@ -275,7 +275,7 @@ class MindFormersWriter:
         return OutputLayout(tuple(files), skipped=tuple(skipped))
 
     def expected_files(self, plan: Plan) -> list[str]:
-        return sorted(model_file(r, plan.world_size) for r in plan.by_rank if r in plan.producing)
+        return sorted(model_file(r, plan.world_size) for r in plan.storing_ranks if r in plan.producing)
 
     def finish(self, crcs: Mapping[str, int]) -> Finished:
         plan = self._plan

@@ -225,3 +225,60 @@ def test_tensors_that_repeat_a_layout_are_planned_and_counted_each_as_alone():
             alone[st.rank] = (w + st.bytes_written, r + st.bytes_read, f | set(st.files))
     assert {st.rank: (st.bytes_written, st.bytes_read, set(st.files)) for st in together} == alone
     assert any(len(f) > 2 for _, _, f in alone.values())  # (files of several tensors on one rank)
+
+
+def test_a_plan_s_boxes_and_columns_are_one_plan():
+    """The planner gives each tensor's boxes as columns (arrays: no object per box at thousands
+    of ranks) and builds the `PlannedBox`es only when asked: the two forms, a tensor built from
+    boxes, a pickled plan, the ranks that store something and their bytes all agree."""
+    import pickle
+
+    from hpckpt.core.geometry.plan import PlannedTensor
+
+    plan = _offline(_layouts())
+    for t in plan.tensors:
+        c = t.columns
+        as_columns = [(tuple(o), tuple(s), r, i) for i, (o, s, r) in
+                      enumerate(zip(c.offsets.tolist(), c.sizes.tolist(), c.ranks.tolist()))]
+        assert [(b.box.offsets, b.box.sizes, b.rank, b.index) for b in t.boxes] == as_columns
+        from_boxes = PlannedTensor(t.fqn, t.shape, t.dtype, t.source_dtype, t.boxes)
+        assert from_boxes == t and hash(from_boxes) == hash(t)
+        back = from_boxes.columns
+        assert back.index is None and all(np.array_equal(a, b) for a, b in
+                                          ((back.offsets, c.offsets), (back.sizes, c.sizes), (back.ranks, c.ranks)))
+        assert not c.offsets.flags.writeable and not c.ranks.flags.writeable  # (a plan is frozen data)
+    assert pickle.loads(pickle.dumps(plan)) == plan
+    assert plan.storing_ranks == tuple(sorted(plan.by_rank)) and len(plan.storing_ranks) == 4
+    for rank in range(4):
+        assert plan.nbytes(rank) == sum(t.box_nbytes(b) for t, b in plan.by_rank[rank]) > 0
+    assert plan.nbytes() == sum(plan.nbytes(r) for r in range(4))
+    with pytest.raises(TypeError):
+        PlannedTensor("t", (1,), dtype("float32"), dtype("float32"))  # neither boxes nor columns
+
+
+def test_a_fanned_out_plan_s_figures_are_its_ranks_share_of_the_whole():
+    """`rank_stats` of a plan that writes some ranks (`reshard --rank`) gives those ranks exactly
+    the figures of the whole plan: bytes written, read and the source files."""
+    from pathlib import Path
+
+    from hpckpt.core.geometry.plan_stats import rank_stats
+    from hpckpt.core.index import CheckpointIndex, Chunk, TensorEntry
+
+    # stored over 3 source ranks (uneven rows), planned onto 4 with replicas and a 2-D grid
+    entries = []
+    for name, dt, shape, _mesh, _text in TENSORS:
+        if len(shape) == 0:
+            chunks = [Chunk(Box((), ()), "_rank0_.safetensors", name)]
+        else:
+            cut = [0, shape[0] // 3, shape[0] // 3 + (shape[0] + 1) // 3, shape[0]]
+            chunks = [Chunk(Box((cut[r],) + (0,) * (len(shape) - 1), (cut[r + 1] - cut[r],) + shape[1:]),
+                            f"_rank{r}_.safetensors", name) for r in range(3)]
+        entries.append(TensorEntry(name, dtype(dt), shape, chunks, dt))
+    index = CheckpointIndex(root=Path("."), format="memory", format_version="", framework=None,
+                            tensors={e.fqn: e for e in entries}, values={}, data_files=[], locator=None)
+    layouts = _Layouts(_layouts())
+    whole = {s.rank: s for s in rank_stats(make_plan(index, layouts, 4), index)}
+    assert sorted(whole) == [0, 1, 2, 3] and any(s.source_files > 1 for s in whole.values())
+    for ranks in ([0], [1, 3], [2], [3, 2, 1, 0]):
+        part = rank_stats(make_plan(index, layouts, 4, ranks=ranks), index)
+        assert part == [whole[r] for r in sorted(ranks)]

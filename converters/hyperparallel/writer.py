@@ -135,7 +135,7 @@ class HyperParallelWriter:
         return OutputLayout(tuple(files))
 
     def expected_files(self, plan: Plan) -> list[str]:
-        tensors = [tensor_file(r) for r in plan.by_rank if r in plan.producing]
+        tensors = [tensor_file(r) for r in plan.storing_ranks if r in plan.producing]
         return sorted(tensors + [values_file(r) for r in {v.rank for v in plan.values} if r in plan.producing])
 
     def finish(self, crcs: Mapping[str, int]) -> Finished:
@@ -144,7 +144,7 @@ class HyperParallelWriter:
         chunks or more, written from columns (`core.codecs.hyperparallel_metadata_columns`: the
         same objects, in seconds instead of minutes)."""
         assert self._plan is not None, "layout() first"
-        if sum(len(t.boxes) for t in self._plan.tensors) >= COLUMNS_FROM:
+        if sum(len(t.columns) for t in self._plan.tensors) >= COLUMNS_FROM:
             data = self._columns_metadata()
             if data is not None:
                 return Finished(metadata=((METADATA_NAME, data),))
@@ -189,14 +189,11 @@ class HyperParallelWriter:
                         renamed[(tensor.fqn, planned.index)] = key
         tensors = []
         for t in plan.tensors:
-            n, ndim = len(t.boxes), len(t.shape)
-            offsets = np.array([b.box.offsets for b in t.boxes], np.int64).reshape(n, ndim)
-            sizes = np.array([b.box.sizes for b in t.boxes], np.int64).reshape(n, ndim)
-            ranks = np.array([b.rank for b in t.boxes], np.int64)
-            index = np.array([b.index for b in t.boxes], np.int64)
-            keys = [renamed.get((t.fqn, b.index), t.fqn) for b in t.boxes] if renamed else None
-            tensors.append(TensorColumns(t.fqn, self._spelling(t.dtype), tuple(t.shape), offsets, sizes, ranks, index,
-                                         keys))
+            c = t.columns
+            index = c.positions()
+            keys = [renamed.get((t.fqn, i), t.fqn) for i in index.tolist()] if renamed else None
+            tensors.append(TensorColumns(t.fqn, self._spelling(t.dtype), tuple(t.shape), c.offsets, c.sizes, c.ranks,
+                                         index, keys))
         if not fits(tensors):
             return None
         files = [tensor_file(r) for r in range(plan.world_size)]

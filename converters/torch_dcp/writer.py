@@ -63,7 +63,7 @@ class TorchDcpWriter:
         self._lengths: dict[str, int] = dict(value_lengths or {})
 
     def _ranks(self, plan: Plan) -> list[int]:
-        return sorted(set(plan.by_rank) | {v.rank for v in plan.values})
+        return sorted(set(plan.storing_ranks) | {v.rank for v in plan.values})
 
     def layout(self, plan: Plan, values: Mapping[str, Any]) -> OutputLayout:
         self._plan, self._items, self._archives = plan, [], {}

@@ -28,7 +28,7 @@ from hpckpt.core.dtypes import DType, dtype as parse_dtype
 from hpckpt.core.errors import EntryMismatchError, GeometryError
 from hpckpt.core.geometry.assign import least_loaded
 from hpckpt.core.geometry.box import Box
-from hpckpt.core.geometry.plan import Plan, PlannedBox, PlannedTensor, PlannedValue
+from hpckpt.core.geometry.plan import BoxColumns, Plan, PlannedTensor, PlannedValue
 
 DEDUP_MODES = ("balanced", "lowest-rank", "none")
 
@@ -119,14 +119,19 @@ class GlobalPlan:
     def plan(self, ranks: Sequence[int] | None = None) -> Plan:
         keep = np.ones(len(self.tid), bool) if ranks is None else np.isin(self.owner, np.array(list(ranks), np.int64))
         rows = np.flatnonzero(keep)
-        per_tensor: list[list[PlannedBox]] = [[] for _ in self.names]
-        tids, owners, indexes = self.tid[rows].tolist(), self.owner[rows].tolist(), self.index[rows].tolist()
-        offs, sizes = self.offsets[rows].tolist(), self.sizes[rows].tolist()
-        for t, r, i, o, z in zip(tids, owners, indexes, offs, sizes):
-            n = len(self.shapes[t])
-            per_tensor[t].append(PlannedBox(Box(tuple(o[:n]), tuple(z[:n])), r, i))
-        tensors = tuple(PlannedTensor(fqn, shape, dt, dt, tuple(boxes))
-                        for fqn, shape, dt, boxes in zip(self.names, self.shapes, self.dtypes, per_tensor))
+        tids = self.tid[rows]
+        if len(tids) and not np.all(tids[1:] >= tids[:-1]):  # (metadata order is by tensor already)
+            rows = rows[np.argsort(tids, kind="stable")]
+            tids = self.tid[rows]
+        ends = np.searchsorted(tids, np.arange(1, len(self.names) + 1)).tolist()
+        tensors, start = [], 0
+        for fqn, shape, dt, end in zip(self.names, self.shapes, self.dtypes, ends):
+            mine, n = rows[start:end], len(shape)
+            start = end
+            columns = BoxColumns(self.offsets[mine, :n], self.sizes[mine, :n], self.owner[mine].astype(np.int64),
+                                 self.index[mine].astype(np.int64))
+            tensors.append(PlannedTensor(fqn, shape, dt, dt, columns=columns))
+        tensors = tuple(tensors)
         nesting = self.key_paths() if ranks is None else {}
         producing = tuple(range(self.world_size)) if ranks is None else tuple(sorted(set(ranks)))
         return Plan(self.world_size, tensors, self.values, producing, nesting)

@@ -9,7 +9,8 @@ Planning a tensor: its target layout is validated once; every rank's boxes come 
 `core.geometry.rank_boxes`; a box held by one rank is stored by it, a replicated box (several holders)
 by the least-loaded holder, largest boxes first, as HyperParallel's own de-dup does; each
 tensor's boxes are then listed rank-major (the order HyperParallel's metadata uses, `index` =
-position). The cost grows with tensors + target boxes, not with tensors x ranks.
+position), as arrays (`BoxColumns`): a box becomes an object only when a writer asks for it. The
+cost grows with tensors + target boxes, not with tensors x ranks.
 """
 
 from __future__ import annotations
@@ -54,19 +55,92 @@ class PlannedValue:
     rank: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True, eq=False)
+class BoxColumns:
+    """A tensor's stored boxes as arrays, in listing order: `offsets`, `sizes` (int64 [n, ndim]),
+    the storing `ranks` and each box's position in the tensor's chunk list, `index` (int64 [n];
+    None: the listing order, as for a whole plan)."""
+
+    offsets: np.ndarray
+    sizes: np.ndarray
+    ranks: np.ndarray
+    index: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def positions(self) -> np.ndarray:
+        return np.arange(len(self.ranks), dtype=np.int64) if self.index is None else self.index
+
+    def volumes(self) -> np.ndarray:
+        """Elements in each box."""
+        return np.prod(self.sizes, axis=1, dtype=np.int64) if self.sizes.shape[1] else np.ones(len(self), np.int64)
+
+    @staticmethod
+    def of(boxes: tuple[PlannedBox, ...], ndim: int) -> BoxColumns:
+        n = len(boxes)
+        index = np.array([b.index for b in boxes], np.int64)
+        return BoxColumns(np.array([b.box.offsets for b in boxes], np.int64).reshape(n, ndim),
+                          np.array([b.box.sizes for b in boxes], np.int64).reshape(n, ndim),
+                          np.array([b.rank for b in boxes], np.int64),
+                          None if np.array_equal(index, np.arange(n)) else index)
+
+
 class PlannedTensor:
     """A tensor of the target: dtype as written (`source_dtype` when read: the engine casts where
-    they differ) and its stored boxes, rank-major."""
+    they differ) and its stored boxes, rank-major.
 
-    fqn: str
-    shape: tuple[int, ...]
-    dtype: DType
-    source_dtype: DType
-    boxes: tuple[PlannedBox, ...]
+    The boxes exist in two forms, each made from the other when first asked for: `boxes`, one
+    `PlannedBox` per box (what the writers and the engine walk), and `columns` (arrays: what
+    the figures of a plan onto thousands of ranks are computed from, with no object per box).
+    The planner gives the columns, so a dry run never builds a box object.
+    """
+
+    __slots__ = ("fqn", "shape", "dtype", "source_dtype", "_boxes", "_columns")
+
+    def __init__(self, fqn: str, shape: tuple[int, ...], dtype: DType, source_dtype: DType,
+                 boxes: tuple[PlannedBox, ...] | None = None, *, columns: BoxColumns | None = None):
+        if (boxes is None) == (columns is None):
+            raise TypeError("give the boxes or their columns")
+        self.fqn, self.shape, self.dtype, self.source_dtype = fqn, shape, dtype, source_dtype
+        self._boxes, self._columns = (None if boxes is None else tuple(boxes)), columns
+
+    @property
+    def boxes(self) -> tuple[PlannedBox, ...]:
+        if self._boxes is None:  # (two threads may both build it: equal tuples, either is kept)
+            c = self._columns
+            self._boxes = tuple(PlannedBox(Box(tuple(o), tuple(s)), r, i) for o, s, r, i in zip(
+                c.offsets.tolist(), c.sizes.tolist(), c.ranks.tolist(), c.positions().tolist()))
+        return self._boxes
+
+    @property
+    def columns(self) -> BoxColumns:
+        if self._columns is None:
+            self._columns = BoxColumns.of(self._boxes, len(self.shape))
+        return self._columns
 
     def box_nbytes(self, planned: PlannedBox) -> int:
         return planned.box.volume * self.dtype.itemsize
+
+    def _key(self) -> tuple:
+        return self.fqn, self.shape, self.dtype, self.source_dtype, self.boxes
+
+    def __eq__(self, other: object) -> bool:
+        return other._key() == self._key() if isinstance(other, PlannedTensor) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        count = len(self._columns if self._boxes is None else self._boxes)
+        return (f"PlannedTensor(fqn={self.fqn!r}, shape={self.shape!r}, dtype={self.dtype!r}, "
+                f"source_dtype={self.source_dtype!r}, boxes={count})")
+
+    def __getstate__(self) -> tuple:
+        return self.fqn, self.shape, self.dtype, self.source_dtype, self._boxes, self._columns
+
+    def __setstate__(self, state: tuple) -> None:
+        self.fqn, self.shape, self.dtype, self.source_dtype, self._boxes, self._columns = state
 
 
 @dataclass(frozen=True)
@@ -93,14 +167,23 @@ class Plan:
                 out.setdefault(planned.rank, []).append((tensor, planned))
         return {rank: out[rank] for rank in sorted(out)}
 
+    @cached_property
+    def storing_ranks(self) -> tuple[int, ...]:
+        """The ranks that store a box, in order (`by_rank`'s keys, without building a box)."""
+        ranks = [t.columns.ranks for t in self.tensors if len(t.columns)]
+        return tuple(np.unique(np.concatenate(ranks)).tolist()) if ranks else ()
+
     def values_of(self, rank: int) -> list[PlannedValue]:
         return [v for v in self.values if v.rank == rank]
 
     def nbytes(self, rank: int | None = None) -> int:
         """Bytes of tensor data stored by `rank` (all ranks when None)."""
-        items = self.by_rank.get(rank, []) if rank is not None else [
-            (t, b) for t in self.tensors for b in t.boxes]
-        return sum(t.box_nbytes(b) for t, b in items)
+        total = 0
+        for t in self.tensors:
+            volumes = t.columns.volumes()
+            mine = volumes if rank is None else volumes[t.columns.ranks == rank]
+            total += int(mine.sum()) * t.dtype.itemsize
+        return total
 
 
 def out_dtype(source: DType, cast_to: DType | None) -> DType:
@@ -136,11 +219,13 @@ def _every_holder(grid: RankBoxes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return grid.offsets[box], grid.sizes[box], grid.ranks[np.repeat(grid.starts, grid.counts) + within]
 
 
-def _listed_rank_major(offsets: np.ndarray, sizes: np.ndarray, owner: np.ndarray) -> tuple[PlannedBox, ...]:
+def _listed_rank_major(offsets: np.ndarray, sizes: np.ndarray, owner: np.ndarray) -> BoxColumns:
     ndim = offsets.shape[1]
     order = np.lexsort(tuple(offsets[:, d] for d in reversed(range(ndim))) + (owner,))
-    offsets, sizes, ranks = offsets[order].tolist(), sizes[order].tolist(), owner[order].tolist()
-    return tuple(PlannedBox(Box(tuple(o), tuple(s)), r, i) for i, (o, s, r) in enumerate(zip(offsets, sizes, ranks)))
+    columns = BoxColumns(offsets[order], sizes[order], owner[order].astype(np.int64))
+    for array in (columns.offsets, columns.sizes, columns.ranks):
+        array.flags.writeable = False  # (a plan is frozen data)
+    return columns
 
 
 def _rank_boxes_once(layout: TensorLayout, shape: tuple[int, ...], known: dict) -> RankBoxes:
@@ -182,7 +267,7 @@ def make_plan(index: CheckpointIndex, layouts: TargetLayouts, world_size: int, *
     casts = casts or {}
     tensors = tuple(
         PlannedTensor(e.fqn, tuple(e.shape), out_dtype(e.dtype, casts.get(e.fqn, cast_to)), e.dtype,
-                      _listed_rank_major(*boxes))
+                      columns=_listed_rank_major(*boxes))
         for e, boxes in zip(entries, stored))
     values = tuple(PlannedValue(fqn) for fqn in index.values if wanted is None or fqn in wanted)
     kept = {t.fqn for t in tensors} | {v.fqn for v in values}

@@ -6,12 +6,11 @@ onto thousands of ranks cost one pass over the source chunks and the target boxe
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
 
-from hpckpt.core.geometry.overlap import ChunkIndex, boxes_to_arrays, check_covered, check_inside
+from hpckpt.core.geometry.overlap import ChunkIndex, check_covered, check_inside
 from hpckpt.core.geometry.plan import Plan
 from hpckpt.core.index import CheckpointIndex
 
@@ -31,22 +30,30 @@ class RankStats:
 def rank_stats(plan: Plan, index: CheckpointIndex) -> list[RankStats]:
     """The producing ranks that store something, in rank order.
 
+    Works on the plan's columns (`PlannedTensor.columns`): per tensor a few array operations, the
+    sums over ranks once at the end, no object per box.
+
     Raises:
         GeometryError: the source does not cover a planned box.
     """
-    producing = set(plan.producing)
-    written: dict[int, int] = defaultdict(int)
-    read: dict[int, int] = defaultdict(int)
-    files: dict[int, set[str]] = defaultdict(set)
+    world = plan.world_size
+    everyone = len(plan.producing) == world
+    producing = np.zeros(world, bool)
+    producing[list(plan.producing)] = True
+    written = np.zeros(world, np.int64)
+    read = np.zeros(world, np.int64)
+    file_ids: dict[str, int] = {}
+    pairs: list[np.ndarray] = []  # (rank << 32 | file id) of every box and source file it reads
     seen: dict[tuple, tuple] = {}  # a model's layers repeat: the same chunks and boxes, intersected once
     for tensor in plan.tensors:
-        boxes = [b for b in tensor.boxes if b.rank in producing]
-        if not boxes:
+        columns = tensor.columns
+        mine = slice(None) if everyone else producing[columns.ranks]
+        offsets, sizes, ranks = columns.offsets[mine], columns.sizes[mine], columns.ranks[mine]
+        if not len(ranks):
             continue
         entry = index.tensors[tensor.fqn]
         ndim = len(tensor.shape)
         chunk_offsets, chunk_sizes = entry.chunk_arrays()
-        offsets, sizes = boxes_to_arrays([b.box for b in boxes], ndim)
         key = (tuple(entry.shape), ndim, chunk_offsets.tobytes(), chunk_sizes.tobytes(), offsets.tobytes(),
                sizes.tobytes())
         found = seen.get(key)
@@ -55,22 +62,22 @@ def rank_stats(plan: Plan, index: CheckpointIndex) -> list[RankStats]:
             finder = ChunkIndex(ndim, chunk_offsets, chunk_sizes)
             pieces = finder.pieces(offsets, sizes)
             check_covered(tensor.fqn, pieces, offsets, sizes, finder)
-            hit = np.unique(pieces.chunk)
-            found = seen[key] = (pieces.box, pieces.chunk, pieces.volumes(), hit,
-                                 sorted(set(zip(pieces.box.tolist(), pieces.chunk.tolist()))))
-        piece_box, piece_chunk, piece_volumes, hit, box_chunks = found
-        ranks = np.array([b.rank for b in boxes], np.int64)
-        for b in boxes:
-            written[b.rank] += tensor.box_nbytes(b)
+            hit, chunk_at = np.unique(pieces.chunk, return_inverse=True)
+            volumes = np.prod(sizes, axis=1, dtype=np.int64) if ndim else np.ones(len(ranks), np.int64)
+            found = seen[key] = (pieces.box, pieces.volumes().astype(np.int64), hit, chunk_at.reshape(-1), volumes)
+        piece_box, piece_volumes, hit, chunk_at, volumes = found
+        np.add.at(written, ranks, volumes * tensor.dtype.itemsize)
         piece_ranks = ranks[piece_box]
-        volumes = piece_volumes * tensor.source_dtype.itemsize
-        if len(piece_ranks):
-            per_rank = np.bincount(piece_ranks, weights=volumes, minlength=plan.world_size)
-            for rank in np.flatnonzero(per_rank).tolist():
-                read[rank] += int(per_rank[rank])
-        file_of = dict(zip(hit.tolist(), entry.chunk_files(hit.tolist())))
-        rank_of = ranks.tolist()
-        for box, chunk in box_chunks:
-            files[rank_of[box]].add(file_of[chunk])
-    return [RankStats(rank, written[rank], read[rank], len(files[rank]), tuple(sorted(files[rank])))
-            for rank in sorted(plan.by_rank) if rank in producing]
+        np.add.at(read, piece_ranks, piece_volumes * tensor.source_dtype.itemsize)
+        names = entry.chunk_files(hit.tolist())
+        ids = np.array([file_ids.setdefault(name, len(file_ids)) for name in names], np.int64)
+        pairs.append((piece_ranks << 32) | ids[chunk_at])
+    files: dict[int, list[str]] = {}
+    if pairs:
+        names = list(file_ids)
+        both = np.unique(np.concatenate(pairs))
+        for rank, file_id in zip((both >> 32).tolist(), (both & 0xFFFFFFFF).tolist()):
+            files.setdefault(rank, []).append(names[file_id])
+    return [RankStats(rank, int(written[rank]), int(read[rank]), len(files.get(rank, ())),
+                      tuple(sorted(files.get(rank, ()))))
+            for rank in plan.storing_ranks if producing[rank]]

@@ -82,8 +82,9 @@ def _remember(directory: Path, kind: str, speed: Speed) -> None:
 def probe_read(files: Iterable[Path], limit: int = PROBE_BYTES) -> Speed | None:
     """Bytes per second reading `files` from their start, `limit` bytes at most. A source that
     reads whole in less than `MIN_PROBE_SECONDS` is read again (from the page cache, as its copy
-    will read it) until that long has passed, so that a small checkpoint on a fast machine is
-    still timed; None when the files hold too little to tell or cannot be read."""
+    will read it) until that long has passed and `MIN_READ` bytes are read (ten times that long
+    at most), so that a small checkpoint on a fast machine is still timed; None when the files
+    hold too little to tell or cannot be read."""
     files = list(files)
     buffer = bytearray(BLOCK)
     view, done, started = memoryview(buffer), 0, time.perf_counter()
@@ -103,7 +104,8 @@ def probe_read(files: Iterable[Path], limit: int = PROBE_BYTES) -> Speed | None:
             except OSError:
                 continue
         seconds = time.perf_counter() - started
-        if done >= limit or not pass_bytes or seconds >= MIN_PROBE_SECONDS:
+        timed = seconds >= MIN_PROBE_SECONDS and done >= MIN_READ  # (a pass cut short by a busy machine: read on)
+        if done >= limit or not pass_bytes or timed or seconds >= 10 * MIN_PROBE_SECONDS:
             break
     return Speed(done / seconds) if done >= MIN_READ and seconds > _MIN_SECONDS else None
 
