@@ -95,11 +95,14 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, *, layout: 
         extra["names"] = {**mapping_json(shown), "table": render_mapping(shown)}
     if dry_run:  # the checks of a real run that need no data: the names, and the layout's fit
         fit = check_fit(layout, view) if layout is not None and not fmt.whole_tensors else []
-        would = {"tensors": len(view.tensors) + len(derived), "values": len(view.values),
+        by_name = getattr(fmt.writer, "dropped_by_name", None)  # (values the format leaves out whatever they hold)
+        left_out = tuple(by_name(view.values)) if by_name is not None else ()
+        would = {"tensors": len(view.tensors) + len(derived), "values": len(view.values) - len(left_out),
                  "bytes": sum(e.nbytes for e in view.tensors.values())}
         return WriteReport(command=command, source=str(src), destination=str(dst), source_format=source.format,
                            format=fmt.name, bytes_written=0, bytes_read=0, seconds=time.perf_counter() - started,
-                           files=0, dry_run=True, would_write=would, warnings=(*view.warnings, *fit), **extra)
+                           files=0, dry_run=True, would_write=would, skipped=tuple(sorted({*dropped, *left_out})),
+                           warnings=(*view.warnings, *fit), **extra)
     if derived:
         from hpckpt.converters.naming import derive_values, with_tensors
 

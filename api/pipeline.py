@@ -169,7 +169,9 @@ def write(command: str, src: str | Path, dst: str | Path, source: CheckpointInde
     if dry_run:  # nothing is read but the metadata
         written = read = 0
         paths = ()
-        files, skipped, converted = len(writer.expected_files(plan)), tuple(sorted({*refused, *dropped})), ()
+        by_name = getattr(writer, "dropped_by_name", None)  # (what the writer leaves out whatever it holds)
+        left_out = by_name(v.fqn for v in plan.values) if by_name is not None else ()
+        files, skipped, converted = len(writer.expected_files(plan)), tuple(sorted({*refused, *dropped, *left_out})), ()
         ranks = tuple(rank_stats(plan, source))
     else:
         check_source_chunks(plan, source)

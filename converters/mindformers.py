@@ -16,7 +16,7 @@ import ast
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -255,15 +255,10 @@ class MindFormersWriter:
     def layout(self, plan: Plan, values: Mapping[str, Any]) -> OutputLayout:
         self._plan = plan
         self._grids = {t.fqn: _grid(t) for t in plan.tensors}
-        skipped = []
-        self._common = {}
-        for value in plan.values:
-            key = value.fqn.removeprefix(VALUE_PREFIX)
-            if value.fqn.startswith(VALUE_PREFIX) and key in COMMON_FIELDS:
-                self._common[key] = values[value.fqn]
-            else:
-                skipped.append((value.fqn, "MindFormers Checkpoint 2.0 holds tensors, and of other values only "
-                                            f"common.json's fields ({', '.join(COMMON_FIELDS)}) as common.KEY"))
+        skipped = self.dropped_by_name(v.fqn for v in plan.values)
+        left_out = {fqn for fqn, _ in skipped}
+        self._common = {value.fqn.removeprefix(VALUE_PREFIX): values[value.fqn]
+                        for value in plan.values if value.fqn not in left_out}
         files = []
         for rank, items in plan.by_rank.items():
             if rank not in plan.producing:
@@ -276,6 +271,15 @@ class MindFormersWriter:
 
     def expected_files(self, plan: Plan) -> list[str]:
         return sorted(model_file(r, plan.world_size) for r in plan.storing_ranks if r in plan.producing)
+
+    @staticmethod
+    def dropped_by_name(values: Iterable[str]) -> list[tuple[str, str]]:
+        """`(fqn, reason)` of the values this format leaves out whatever they hold: all but
+        common.json's fields. A dry run says them from the names alone, as the run will."""
+        reason = ("MindFormers Checkpoint 2.0 holds tensors, and of other values only "
+                  f"common.json's fields ({', '.join(COMMON_FIELDS)}) as common.KEY")
+        return [(fqn, reason) for fqn in values
+                if not (fqn.startswith(VALUE_PREFIX) and fqn.removeprefix(VALUE_PREFIX) in COMMON_FIELDS)]
 
     def finish(self, crcs: Mapping[str, int]) -> Finished:
         plan = self._plan

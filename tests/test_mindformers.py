@@ -128,6 +128,10 @@ def test_written_as_mindformers_loader_accepted(source, how, expected, tmp_path)
     assert hpckpt("diff", str(out), str(FIXTURES / source)).startswith("equal:")
 
 
+def doc_values(checkpoint) -> int:
+    return json.loads(hpckpt("inspect", str(checkpoint), "--json"))["counts"]["values"]
+
+
 def test_other_sources_and_layouts_mindformers_cannot_hold(tmp_path):
     """A HyperParallel checkpoint becomes a MindFormers one (its values that are not common.json
     fields reported skipped, by name); a layout MindFormers cannot describe (unequal slices) is
@@ -139,6 +143,14 @@ def test_other_sources_and_layouts_mindformers_cannot_hold(tmp_path):
     doc = json.loads(out[out.index("{\n"):])  # (the warning is stderr's)
     skipped = {s["name"] for s in doc["skipped"]}
     assert "extra_state.run_name" in skipped and "optimizer.param_groups.0.lr" in skipped, doc["skipped"]
+    for dry in (("reshard", str(example), "--to", "mf", "-o", str(tmp_path / "p1"), "--world-size", "1", "--plan"),
+                ("convert", str(example), "--to", "mf", "-o", str(tmp_path / "p2"), "--world-size", "1", "--dry-run")):
+        said = hpckpt(*dry, "--json")  # a dry run names the same values, from their names alone
+        assert said.startswith("warning: not written (MindFormers Checkpoint 2.0 holds tensors"), said
+        planned = json.loads(said[said.index("{\n"):])
+        assert planned["skipped"] == doc["skipped"] and not (tmp_path / dry[5]).exists(), planned["skipped"]
+        if dry[0] == "convert":
+            assert planned["would_write"]["values"] == doc_values(example) - len(skipped)
     back = json.loads(hpckpt("inspect", str(tmp_path / "mf"), "--json"))
     assert back["format"] == "mindformers" and back["counts"]["tensors"] == 6
     for source, world in ((example, "2"), (FIXTURES / "sim2", "4")):  # 9 rows on 2 ranks; 2 rows on 4
