@@ -394,6 +394,24 @@ def test_parents_is_an_option_of_every_writing_command(tmp_path, command, name):
     assert out.exists()
 
 
+@pytest.mark.parametrize("command, name", [("reshard", "r"), ("consolidate", "c.safetensors")])
+def test_a_failed_run_takes_back_the_parents_it_made(tmp_path, command, name):
+    """A run that fails after `--parents` made the destination's directories leaves none of
+    them (its hint says nothing was left behind); a directory that was there stays."""
+    import shutil
+
+    source = tmp_path / "src"
+    shutil.copytree(TINY, source)
+    data = source / "_rank1_.safetensors"
+    data.write_bytes(data.read_bytes()[:-8])  # a data file cut short: found after the parents are made
+    (tmp_path / "there").mkdir()
+    out = tmp_path / "there" / "a" / "b" / name
+    extra = ["--world-size", "2"] if command == "reshard" else []
+    result = cli(command, source, "-o", out, "--parents", "--no-manifest", *extra)
+    assert result.exit_code != 0 and "Traceback" not in result.stderr, result.stderr
+    assert os.listdir(tmp_path / "there") == [], os.listdir(tmp_path / "there")
+
+
 def test_a_dry_run_checks_the_layout_as_the_real_run_does(tmp_path):
     unfit = cli("convert", TINY, "-o", tmp_path / "x", "--to", "hp", "--mesh", "2", "--placements", "S9", "--dry-run")
     assert unfit.exit_code == 2 and "fits none" in unfit.stderr and not (tmp_path / "x").exists()

@@ -240,15 +240,17 @@ def _is_sidecar(path: Path) -> bool:
     return True
 
 
-def ensure_parent(dest: Path, parents: bool) -> None:
+def ensure_parent(dest: Path, parents: bool) -> list[Path]:
     """The directory the destination goes in exists, or is created when `parents` says so.
+    Returns the directories created, the deepest first (what `remove_made` takes back after a
+    failure, so that a failed run leaves nothing, parents included).
 
     Raises:
         PathNotFoundError: it is missing (and `parents` is off), or a file is in the way.
     """
     parent = dest.parent
     if parent.is_dir():
-        return
+        return []
     existing = parent
     while not os.path.lexists(existing) and existing != existing.parent:
         existing = existing.parent
@@ -257,4 +259,16 @@ def ensure_parent(dest: Path, parents: bool) -> None:
     if not parents:
         raise PathNotFoundError(f"{parent}: no such directory (the destination's parent)",
                                 hint="create it, or pass --parents to have it created")
+    missing = [parent, *parent.parents[:len(parent.parents) - len(existing.parents) - 1]]
     parent.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def remove_made(directories: list[Path]) -> None:
+    """Remove the directories `ensure_parent` made, deepest first, those still empty only (another
+    run may have put something in one since)."""
+    for directory in directories:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return

@@ -46,6 +46,7 @@ from pathlib import Path
 
 from hpckpt.core.commit.destination import (
     ensure_parent,
+    remove_made,
     refuse_existing,
     refuse_existing_sidecars,
     refuse_staging_name,
@@ -114,8 +115,12 @@ class Staging:
         refuse_staging_name(self.dest)
         refuse_unsafe(self.dest, source)
         refuse_existing(self.dest, force, file_output)
-        ensure_parent(self.dest, parents)
-        self._lock = DestinationLock(self.dest).acquire()
+        self._made = ensure_parent(self.dest, parents)
+        try:
+            self._lock = DestinationLock(self.dest).acquire()
+        except BaseException:
+            remove_made(self._made)
+            raise
         self._replacing: ReplaceLock | None = None
         try:
             remove_stale_staging(self.dest, file_output)
@@ -132,6 +137,7 @@ class Staging:
             if self._replacing is not None:
                 self._replacing.release()
             self._lock.release()
+            remove_made(self._made)
             raise
 
     def write_metadata(self, files: tuple[tuple[str, bytes], ...] | list[tuple[str, bytes]], *,
@@ -203,6 +209,8 @@ class Staging:
             if self._replacing is not None:  # the old output is gone (or back in place)
                 self._replacing.release()
             self._lock.release()
+            if not self._done:  # (the parents --parents made: a failed run leaves nothing)
+                remove_made(self._made)
 
 
 def _link(staged: Path, placed: Path) -> None:
