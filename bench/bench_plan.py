@@ -8,7 +8,10 @@ tensors FSDP-split over every rank: 921,700 chunks at 1,024 ranks), kept under `
 each (source, target) pair this measures, each in a fresh process, best of `--repeat`:
 
 - `hpckpt reshard SRC -o OUT --world-size N --plan --json`, start to exit, and its peak RSS
-  (`ru_maxrss` of the child, from `os.wait4`);
+  (`ru_maxrss` of the child, from `os.wait4`), with nothing cached (`HPCKPT_NO_CACHE`: the
+  storage probe for the predicted time runs, as on a file system's first `--plan` of the day);
+- the same with `--bandwidth 2GiB,1GiB` (no probe: what every later run does with the probe's
+  figures cached);
 - the same command at the baseline commit (`--baseline`, default c1f8e00, the planner before
   issue 8), side by side; both sides are byte-compiled snapshots (`bench_ab.snapshot`), the
   working tree and `git archive` of the baseline;
@@ -115,19 +118,20 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(dst, ignore_errors=True)
         cmd = [*hpckpt, "reshard", str(src), "-o", str(dst), "--world-size", str(target), "--plan", "--json"]
         ours = min(run_child(cmd, env=env)[:2] for _ in range(args.repeat))
+        given = min(run_child([*cmd, "--bandwidth", "2GiB,1GiB"], env=env)[:2] for _ in range(args.repeat))
         theirs = None
         if base_env is not None:  # once: it takes 10-50 s
             theirs = run_child(cmd, env=base_env, cwd=OUT)[:2]
         phases = min((json.loads(run_child([sys.executable, "-c", PROBE, str(src), str(target)], env=env)[2])
                       for _ in range(args.repeat)), key=lambda p: p["plan"] + p["stats"] + p["layout"])
-        rows.append({"ranks": ranks, "tensors": tensors, "target": target, "ours": ours, "baseline": theirs,
-                     "phases": phases})
+        rows.append({"ranks": ranks, "tensors": tensors, "target": target, "ours": ours, "given": given,
+                     "baseline": theirs, "phases": phases})
         print(json.dumps(rows[-1]), file=sys.stderr)
     print(f"load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
     shutil.rmtree(trees)
-    print("| source ranks x tensors | chunks | target ranks | boxes | `reshard --plan` | peak RSS | baseline | baseline RSS | "
-          "read metadata | plan | read figures | layout | planning s per M (chunks + boxes) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| source ranks x tensors | chunks | target ranks | boxes | `reshard --plan` | peak RSS | no probe (`--bandwidth`) "
+          "| baseline | baseline RSS | read metadata | plan | read figures | layout | planning s per M (chunks + boxes) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         p = r["phases"]
         planning = p["plan"] + p["stats"] + p["layout"]
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         base = f"{r['baseline'][0]:.1f} s" if r["baseline"] else "-"
         base_rss = f"{r['baseline'][1]:.0f} MiB" if r["baseline"] else "-"
         print(f"| {r['ranks']} x {r['tensors']} | {p['chunks']:,} | {r['target']} | {p['boxes']:,} | {r['ours'][0]:.2f} s | "
-              f"{r['ours'][1]:.0f} MiB | {base} | {base_rss} | {p['read']:.2f} s ({p['rss'][0]:.0f} MiB) | "
+              f"{r['ours'][1]:.0f} MiB | {r['given'][0]:.2f} s | {base} | {base_rss} | {p['read']:.2f} s ({p['rss'][0]:.0f} MiB) | "
               f"{p['plan']:.2f} s | {p['stats']:.2f} s | {p['layout']:.2f} s ({p['rss'][3]:.0f} MiB) | {per_million:.2f} |")
     return 0
 
