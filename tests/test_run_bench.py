@@ -80,11 +80,18 @@ def check_table(document: dict, native_label: str) -> None:
     columns, rows = table(document["ranks"])
     assert columns[0] == "measurement" and all(len(row) == len(columns) for row in rows)
     names = [row[0] for row in rows]
-    assert names == ["hpckpt.dist save", f"{native_label} save", "hpckpt.dist async save",
+    durable = [f"{native_label} save + fsync"] if native_label == "MindSpore" else []  # (its save does not fsync)
+    assert names == ["hpckpt.dist save", f"{native_label} save", *durable, "hpckpt.dist async save",
                      f"{native_label} async save", "hpckpt.dist load", f"{native_label} load"]
     ratio = rows[1][columns.index("vs hpckpt")]
     assert ratio.endswith("x") and float(ratio[:-1]) > 0
-    assert rows[4][columns.index("read x")] == "1.00"
+    assert rows[names.index("hpckpt.dist load")][columns.index("read x")] == "1.00"
+    if durable:
+        row, save = rows[2], document["ranks"][0]["mindspore_save"]
+        best = float(row[columns.index("best s")])
+        assert row[columns.index("fsync")] == "yes" and best == pytest.approx(save["durable_seconds_best"], abs=1e-3)
+        assert best >= float(rows[1][columns.index("best s")])
+        assert float(row[columns.index("vs hpckpt")][:-1]) >= float(ratio[:-1])
 
 
 def check_left_alone(scratch: Path, logs: Path) -> None:

@@ -16,7 +16,9 @@ def _gib(n: int | None) -> str:
 def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
     """(columns, rows) of a bench report: one row per measurement, the job's figures (times are the
     slowest rank's; peak RSS the largest rank's, and what the phase added over its start). The
-    last column is the framework's figure over hpckpt's (time; blocked time for async saves)."""
+    last column is the framework's figure over hpckpt's (time; blocked time for async saves). A
+    framework save that does not fsync (MindSpore's) gets a second row, "+ fsync": the same save
+    with each rank's file fsynced after it, what a durable save costs, beside hpckpt's fsynced one."""
     first = results[0]
     native = NATIVE[first["framework"]]
     columns = ["measurement", "fsync", "best s", "median s", "GiB/s", "blocked s", "read x", "job read",
@@ -37,4 +39,11 @@ def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
                          f"{m['blocked_best']:.3f}" if "blocked_best" in m else "",
                          f"{m['read_amplification']:.2f}" if "read_amplification" in m else "",
                          _gib(m.get("job_bytes_read")), _gib(m["job_peak_rss"]), _gib(m["job_peak_rss_extra"]), ratio])
+            if who != "hpckpt" and "durable_seconds_best" in m:
+                durable = m["durable_seconds_best"]
+                median = m.get("durable_seconds_median")
+                rows.append([f"{LABELS[who]} {kind} + fsync", "yes", f"{durable:.3f}",
+                             "" if median is None else f"{median:.3f}",
+                             f"{first['job_state_bytes'] / durable / 2**30:.2f}" if durable else "", "", "", "", "", "",
+                             f"{durable / ref['seconds_best']:.2f}x" if ref.get("seconds_best") else ""])
     return columns, rows

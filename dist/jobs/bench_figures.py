@@ -25,6 +25,7 @@ def summary(kind: str, mine: list[dict], job: list[list[dict]], job_state_bytes:
     if "fsync_seconds" in mine[0]:
         durable = [max(p["seconds"] + p["fsync_seconds"] for p in ranks) for ranks in job]
         out["durable_seconds_best"] = round(min(durable), 4)  # with an fsync of each rank's file added
+        out["durable_seconds_median"] = round(statistics.median(durable), 4)
     if kind == "async_save":
         blocked = [max(p["blocked"] for p in ranks) for ranks in job]
         out.update(blocked_best=round(min(blocked), 4), blocked_median=round(statistics.median(blocked), 4))
