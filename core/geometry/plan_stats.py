@@ -63,8 +63,8 @@ def rank_stats(plan: Plan, index: CheckpointIndex) -> list[RankStats]:
             pieces = finder.pieces(offsets, sizes)
             check_covered(tensor.fqn, pieces, offsets, sizes, finder)
             hit, chunk_at = np.unique(pieces.chunk, return_inverse=True)
-            volumes = np.prod(sizes, axis=1, dtype=np.int64) if ndim else np.ones(len(ranks), np.int64)
-            found = seen[key] = (pieces.box, pieces.volumes().astype(np.int64), hit, chunk_at.reshape(-1), volumes)
+            found = seen[key] = (pieces.box, pieces.volumes().astype(np.int64), hit, chunk_at.reshape(-1),
+                                 columns.volumes()[mine])
         piece_box, piece_volumes, hit, chunk_at, volumes = found
         np.add.at(written, ranks, volumes * tensor.dtype.itemsize)
         piece_ranks = ranks[piece_box]
