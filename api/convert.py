@@ -17,6 +17,7 @@ from hpckpt.api.layouts import check_fit, source_layout
 from hpckpt.api.options import Selection, parse_size
 from hpckpt.api.reports import WriteReport
 from hpckpt.converters import format_for_extension, format_named, open_index
+from hpckpt.converters.base import left_out_by_name
 from hpckpt.core.commit.lock import holds_source
 from hpckpt.core.errors import UnknownFormatError
 from hpckpt.core.geometry.layout import LayoutSpec
@@ -95,8 +96,7 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, *, layout: 
         extra["names"] = {**mapping_json(shown), "table": render_mapping(shown)}
     if dry_run:  # the checks of a real run that need no data: the names, and the layout's fit
         fit = check_fit(layout, view) if layout is not None and not fmt.whole_tensors else []
-        by_name = getattr(fmt.writer, "dropped_by_name", None)  # (values the format leaves out whatever they hold)
-        left_out = tuple(by_name(view.values)) if by_name is not None else ()
+        left_out = left_out_by_name(fmt.writer, view.values)
         would = {"tensors": len(view.tensors) + len(derived), "values": len(view.values) - len(left_out),
                  "bytes": sum(e.nbytes for e in view.tensors.values())}
         return WriteReport(command=command, source=str(src), destination=str(dst), source_format=source.format,

@@ -17,7 +17,7 @@ from pathlib import Path
 from hpckpt.api.layouts import check_fit
 from hpckpt.api.reports import PlanSummary, WriteReport
 from hpckpt.converters import index_cache
-from hpckpt.converters.base import Format, WriterOptions
+from hpckpt.converters.base import Format, WriterOptions, left_out_by_name
 from hpckpt.core import dtypes
 from hpckpt.core.commit import manifest
 from hpckpt.core.dtypes import DType
@@ -169,8 +169,7 @@ def write(command: str, src: str | Path, dst: str | Path, source: CheckpointInde
     if dry_run:  # nothing is read but the metadata
         written = read = 0
         paths = ()
-        by_name = getattr(writer, "dropped_by_name", None)  # (what the writer leaves out whatever it holds)
-        left_out = by_name(v.fqn for v in plan.values) if by_name is not None else ()
+        left_out = left_out_by_name(writer, (v.fqn for v in plan.values))
         files, skipped, converted = len(writer.expected_files(plan)), tuple(sorted({*refused, *dropped, *left_out})), ()
         ranks = tuple(rank_stats(plan, source))
     else:

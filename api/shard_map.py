@@ -9,6 +9,7 @@ import numpy as np
 
 from hpckpt.api.inspect import chunk_ranks
 from hpckpt.core.geometry.layout import inferred_layouts
+from hpckpt.core.geometry.overlap import volumes
 from hpckpt.core.geometry.plan import Plan
 from hpckpt.core.index import CheckpointIndex
 from hpckpt.core.safety.validate import coverage
@@ -64,8 +65,7 @@ class _Columns:
         self.offsets.append(offsets.astype(np.float64).reshape(-1))
         self.sizes.append(sizes.astype(np.float64).reshape(-1))
         self.ranks.append(ranks)
-        volumes = np.prod(sizes, axis=1) if sizes.shape[1] else np.ones(len(sizes), np.int64)
-        counted = np.bincount(ranks.astype(np.int64) + 1, weights=volumes * itemsize)
+        counted = np.bincount(ranks.astype(np.int64) + 1, weights=volumes(sizes) * itemsize)
         if len(counted) > len(self.rank_bytes):
             self.rank_bytes = np.pad(self.rank_bytes, (0, len(counted) - len(self.rank_bytes)))
         self.rank_bytes[:len(counted)] += counted.astype(np.int64)

@@ -38,7 +38,7 @@ these protocols and add its `Format` to `converters.FORMATS` (docs/architecture.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -85,6 +85,14 @@ class FormatWriter(Protocol):
     def finish(self, crcs: Mapping[str, int]) -> Finished: ...
 
     def expected_files(self, plan: Plan) -> list[str]: ...
+
+
+def left_out_by_name(writer: Any, values: Iterable[str]) -> tuple[tuple[str, str], ...]:
+    """`(fqn, reason)` of the `values` a writer (its class or an instance) leaves out whatever
+    they hold, for a writer that says so (`dropped_by_name`: MindFormers'): what a dry run can
+    report without reading them, as the run will."""
+    say = getattr(writer, "dropped_by_name", None)
+    return tuple(say(values)) if say is not None else ()
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ directory, per rank r:
 - `rank-{r}.log`: the worker's own stdout/stderr (tracebacks included);
 - `status-{r}.json`: `{"rank", "state": running|ok|failed, "kind", "exit_code", "error", "time"}`;
 - `progress-{r}.json`: `{"done", "total", "phase"}` in bytes, rewritten at most ~5 times a second;
-- `result-{r}.json`: the job's figures for this rank.
+- `result-{r}.json`: the job's figures for this rank (a reshard's writing rank adds its share's
+  `RESULT_NOTES`: what its output leaves out, converts or warns of; the report says them once).
 
 Every JSON file is written aside and renamed, so a reader sees the previous or the next version,
 never half of one. Framework-free: the CLI and the workers both import it.
@@ -27,6 +28,7 @@ from hpckpt.core.commit import replace
 
 RUNNING, OK, FAILED = "running", "ok", "failed"
 PROGRESS_INTERVAL = 0.2  # seconds between two rewrites of a progress file
+RESULT_NOTES = ("skipped", "converted", "warnings")  # a reshard result's lists, as its one-process report's
 _RANK_FILE = re.compile(r"(status|progress|result)-(\d+)\.json")
 
 

@@ -10,9 +10,7 @@ from hpckpt.core import job_files
 from hpckpt.core.errors import JobFailedError
 
 IDENTITY_FIELDS = {"rank", "world_size", "local_rank", "node_rank", "pid"}
-#: A reshard's lists of what its output leaves out, converts or warns of (each writing rank's
-#: result carries its share's: `hpckpt.dist.jobs.reshard_job.NOTES`, not imported here)
-NOTES = ("skipped", "converted", "warnings")
+NOTES = job_files.RESULT_NOTES  # (each writing rank's result carries its share's lists)
 
 
 def _numeric(value: Any) -> bool:

@@ -30,6 +30,11 @@ def boxes_to_arrays(boxes: list[Box], ndim: int) -> tuple[np.ndarray, np.ndarray
     return int_rows([b.offsets for b in boxes], ndim), int_rows([b.sizes for b in boxes], ndim)
 
 
+def volumes(sizes: np.ndarray) -> np.ndarray:
+    """The elements in each box of `sizes` (int64 `[n, ndim]`); a 0-d box holds one."""
+    return np.prod(sizes, axis=1, dtype=np.int64) if sizes.shape[1] else np.ones(len(sizes), np.int64)
+
+
 @dataclass(frozen=True)
 class Pieces:
     """The non-empty intersections of wanted boxes with stored chunks, as parallel arrays.
@@ -44,7 +49,7 @@ class Pieces:
     sizes: np.ndarray
 
     def volumes(self) -> np.ndarray:
-        return np.prod(self.sizes, axis=1) if self.sizes.shape[1] else np.ones(len(self.box), np.int64)
+        return volumes(self.sizes)
 
     def of_box(self) -> list[list[tuple[int, Box]]]:
         """Per wanted box, its pieces as `(chunk index, region)` in chunk order."""
@@ -142,7 +147,7 @@ def check_covered(fqn: str, pieces: Pieces, offsets: np.ndarray, sizes: np.ndarr
         GeometryError: some elements of a box are in no stored chunk, or overlapping chunks are
             too fragmented to prove they are not.
     """
-    volume = np.prod(sizes, axis=1) if sizes.shape[1] else np.ones(len(sizes), np.int64)
+    volume = volumes(sizes)
     covered = np.bincount(pieces.box, weights=pieces.volumes(), minlength=len(sizes)) if len(sizes) else volume
     suspect = covered != volume
     if finder is not None and len(finder.overlapping) and len(pieces.box):

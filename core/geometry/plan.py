@@ -26,6 +26,7 @@ from hpckpt.core.dtypes import DType
 from hpckpt.core.geometry.assign import least_loaded
 from hpckpt.core.geometry.box import Box
 from hpckpt.core.geometry.layout import Mesh, Replicate, TensorLayout
+from hpckpt.core.geometry.overlap import boxes_to_arrays, volumes
 from hpckpt.core.geometry.rank_boxes import RankBoxes, rank_boxes
 from hpckpt.core.index import CheckpointIndex, TensorEntry
 from hpckpt.core.io.cast import CASTABLE
@@ -74,16 +75,13 @@ class BoxColumns:
 
     def volumes(self) -> np.ndarray:
         """Elements in each box."""
-        return np.prod(self.sizes, axis=1, dtype=np.int64) if self.sizes.shape[1] else np.ones(len(self), np.int64)
+        return volumes(self.sizes)
 
     @staticmethod
     def of(boxes: tuple[PlannedBox, ...], ndim: int) -> BoxColumns:
-        n = len(boxes)
         index = np.array([b.index for b in boxes], np.int64)
-        return BoxColumns(np.array([b.box.offsets for b in boxes], np.int64).reshape(n, ndim),
-                          np.array([b.box.sizes for b in boxes], np.int64).reshape(n, ndim),
-                          np.array([b.rank for b in boxes], np.int64),
-                          None if np.array_equal(index, np.arange(n)) else index)
+        return BoxColumns(*boxes_to_arrays([b.box for b in boxes], ndim), np.array([b.rank for b in boxes], np.int64),
+                          None if np.array_equal(index, np.arange(len(boxes))) else index)
 
 
 class PlannedTensor:
@@ -198,7 +196,7 @@ def _owners(boxes: list[RankBoxes], itemsizes: list[int], world_size: int) -> li
     owners: list[np.ndarray] = []
     shared: list[tuple[int, int, int]] = []
     for t, (grid, itemsize) in enumerate(zip(boxes, itemsizes)):
-        nbytes = (np.prod(grid.sizes, axis=1) if grid.sizes.shape[1] else np.ones(len(grid), np.int64)) * itemsize
+        nbytes = volumes(grid.sizes) * itemsize
         single = grid.counts == 1
         owner = np.where(single, grid.ranks[grid.starts] if len(grid) else 0, -1)
         np.add.at(load, owner[single], nbytes[single])

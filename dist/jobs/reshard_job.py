@@ -21,16 +21,16 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
+from hpckpt.core import job_files
 from hpckpt.core.commit.set_aside import SetAside
 from hpckpt.core.errors import HpckptError, ReshardOptionError, WorkerFailedError
 from hpckpt.core.geometry.assign import least_loaded
 from hpckpt.core.storage.urls import as_path
 
 COORDINATOR = 0
-#: What a share's write leaves out, converts or warns of (the one-process report's lists, known
-#: once written: a dry run does not know what a writer drops): each writing worker's result
-#: carries its own, and the report of every node says them once (`cli/run/report.py`).
-NOTES = ("skipped", "converted", "warnings")
+#: What a share's write leaves out, converts or warns of: each writing worker's result carries
+#: its own lists, and the report of every node says them once (`cli/run/report.py`).
+NOTES = job_files.RESULT_NOTES
 
 
 # -- the share of each worker (pure) -------------------------------------------------------------
