@@ -18,7 +18,7 @@ each, the page cache warm:
                    of its own code).
 
 Each gives wall seconds and CPU seconds (user + system, of the whole process tree, from
-`wait4`), best and median over the rounds, and for the two reshards the median of the per-round
+`wait4`; the system part, the kernel's, apart), best and median over the rounds, and for the two reshards the median of the per-round
 ratio `cp -r` / reshard (hpckpt's goal: >= 0.8). CPU per GiB shows what each copy costs the
 machine: on 2 cores a copy that must read, hash and write every byte in user space is bounded by
 that CPU, where `cp` hands the whole copy to the kernel. The load average is printed before and
@@ -40,8 +40,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(cmd: list[str]) -> tuple[float, float]:
-    """(wall, CPU) seconds of `cmd`, its children included."""
+def run(cmd: list[str]) -> tuple[float, float, float]:
+    """(wall, CPU, system CPU) seconds of `cmd`, its children included."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HPCKPT_NO_CACHE="1")
     with tempfile.TemporaryFile() as err:  # (a pipe read only after the exit could fill and stall it)
         started = time.perf_counter()
@@ -51,7 +51,7 @@ def run(cmd: list[str]) -> tuple[float, float]:
         if os.waitstatus_to_exitcode(status) != 0:
             err.seek(0)
             sys.exit(f"failed: {' '.join(cmd)}\n{err.read().decode(errors='replace')[-2000:]}")
-    return wall, usage.ru_utime + usage.ru_stime
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_stime
 
 
 def size_gib(path: Path) -> float:
@@ -79,7 +79,7 @@ def main() -> None:
     subprocess.run(["cp", "-r", str(args.src), str(out)], check=True)  # the source into the page cache, once
     shutil.rmtree(out)
     names = list(commands)
-    samples: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+    samples: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
@@ -89,16 +89,18 @@ def main() -> None:
         print(f"round {r + 1}: " + ", ".join(f"{n} {samples[n][-1][0]:.2f} s" for n in names), flush=True)
     shutil.rmtree(out, ignore_errors=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}\n")
-    print("| command | wall best / median s | CPU best / median s | CPU s per GiB (median) | cp -r / it, median of rounds |")
-    print("|---|---|---|---|---|")
+    print("| command | wall best / median s | CPU best / median s | of it system (kernel), median s | "
+          "CPU s per GiB (median) | cp -r / it, median of rounds |")
+    print("|---|---|---|---|---|---|")
     for name in names:
-        walls, cpus = [w for w, _ in samples[name]], [c for _, c in samples[name]]
+        walls, cpus = [w for w, _, _ in samples[name]], [c for _, c, _ in samples[name]]
+        system = statistics.median(k for _, _, k in samples[name])
         per_gib = f"{statistics.median(cpus) / gib:.2f}" if name in ("cp -r", "reshard", "reshard, no manifest") else ""
         ratio = ""
         if name.startswith("reshard"):
             ratio = f"{statistics.median(c[0] / s[0] for c, s in zip(samples['cp -r'], samples[name])):.2f}"
         print(f"| {name} | {min(walls):.2f} / {statistics.median(walls):.2f} | {min(cpus):.2f} / "
-              f"{statistics.median(cpus):.2f} | {per_gib} | {ratio} |")
+              f"{statistics.median(cpus):.2f} | {system:.2f} | {per_gib} | {ratio} |")
 
 
 if __name__ == "__main__":
