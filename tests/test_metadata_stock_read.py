@@ -6,8 +6,10 @@ entries, every shape the columns tests draw) and on mutated and crafted ones."""
 
 from __future__ import annotations
 
+import contextlib
 import struct
 
+import numpy as np
 import pytest
 from _util import FIXTURES
 from hypothesis import given, settings
@@ -33,9 +35,24 @@ from hpckpt.core.errors import HpckptError
 from hpckpt.core.safety.unpickle import METADATA, loads
 
 
-def _fast(data: bytes):
-    """The index through `read_stock_columns` (None: not taken), or the error building it gave."""
-    columns = read_stock_columns(data)
+@contextlib.contextmanager
+def _halves(on: bool):
+    """Within, with `on`: every pass the reader may split in two (the records, the scan for
+    objects) is split, at any size and core count; the default splits only large files."""
+    saved = stock.HALVES_FROM, stock._two_cores
+    if on:
+        stock.HALVES_FROM, stock._two_cores = 1, lambda: True
+    try:
+        yield
+    finally:
+        stock.HALVES_FROM, stock._two_cores = saved
+
+
+def _fast(data: bytes, halves: bool = False):
+    """The index through `read_stock_columns` (None: not taken), or the error building it gave;
+    `halves`: every pass split in two, on two threads."""
+    with _halves(halves):
+        columns = read_stock_columns(data)
     if columns is None:
         return None
     try:
@@ -44,8 +61,8 @@ def _fast(data: bytes):
         return f"error: {exc}"
 
 
-def _same_or_none(data: bytes, *, taken: bool = False):
-    fast = _fast(data)
+def _same_or_none(data: bytes, *, taken: bool = False, halves: bool = False):
+    fast = _fast(data, halves)
     if taken:
         assert fast is not None, "not taken"
     if fast is not None:  # (an error building the index, two chunks' boxes clashing: the same one)
@@ -53,12 +70,14 @@ def _same_or_none(data: bytes, *, taken: bool = False):
     return fast
 
 
+@pytest.mark.parametrize("halves", [False, True])
 @pytest.mark.parametrize("name", ["m0-torch-4rank", "m0-torch-4rank-async", "legacy-torch-4rank",
                                   "m0-mindspore-1rank"])
-def test_hyperparallel_s_own_files_read_as_the_unpickler_reads_them(name):
+def test_hyperparallel_s_own_files_read_as_the_unpickler_reads_them(name, halves):
     """MindSpore's writer keys storage_data with the chunks' own offsets tuples and shares one
-    tuple among chunks (memo references into other records and the skeleton): resolved too."""
-    assert _same_or_none((FIXTURES / name / ".metadata").read_bytes(), taken=True)[0]
+    tuple among chunks (memo references into other records and the skeleton): resolved too,
+    and alike with every pass in two halves on two threads."""
+    assert _same_or_none((FIXTURES / name / ".metadata").read_bytes(), taken=True, halves=halves)[0]
 
 
 @pytest.mark.parametrize("dedup,ragged,framework", [("balanced", True, "torch"), ("lowest-rank", False, "mindspore"),
@@ -66,10 +85,12 @@ def test_hyperparallel_s_own_files_read_as_the_unpickler_reads_them(name):
 def test_a_plan_written_by_the_stock_pickler_reads_as_the_unpickler_reads(dedup, ragged, framework):
     """Uneven, replicated, 0-d, 3-D, 5-D and empty tensors, values, key paths; every replica
     stored (dedup "none": chunks at equal offsets share one storage_data key, the value stored
-    last for them all)."""
+    last for them all). In two halves too: records of 0 to 5 dimensions, so one half's columns
+    of tuple items are narrower than the other's."""
     data = _both(_plan(dedup, ragged), framework)[0]
     fast = _same_or_none(data, taken=True)
     assert fast[0] and fast[1] and fast[3][0]
+    assert _same_or_none(data, taken=True, halves=True) == fast
 
 
 def test_batches_of_a_thousand_chunks_and_entries_read_as_the_unpickler_reads():
@@ -79,15 +100,16 @@ def test_batches_of_a_thousand_chunks_and_entries_read_as_the_unpickler_reads():
     assert data.count(b"\x95") > 10
     fast = _same_or_none(data, taken=True)
     assert sum(entry[3] for entry in fast[0].values()) > 24 * 1030
+    assert _same_or_none(data, taken=True, halves=True) == fast
 
 
 @settings(max_examples=60, deadline=None)
-@given(columns=_tables())
-def test_any_table_pickled_by_the_stock_pickler_reads_as_the_unpickler_reads(columns):
+@given(columns=_tables(), halves=st.booleans())
+def test_any_table_pickled_by_the_stock_pickler_reads_as_the_unpickler_reads(columns, halves):
     """Every table the columns tests draw (0-5 dims, chunks anywhere in the 4-byte range or at
     equal offsets, keys, values, planner data), loaded and pickled again as HyperParallel does."""
     data = dumps_metadata(loads(columns, what="m", kind=METADATA))
-    _same_or_none(data)
+    _same_or_none(data, halves=halves)
 
 
 def _sample() -> bytes:
@@ -99,11 +121,11 @@ _SAMPLES = [_sample(), (FIXTURES / "m0-mindspore-1rank" / ".metadata").read_byte
 
 @settings(max_examples=400, deadline=None)
 @given(which=st.sampled_from([0, 1]), at=st.integers(0, 1 << 20), kind=st.sampled_from(["byte", "delete", "repeat", "bit"]),
-       value=st.integers(0, 255), length=st.integers(1, 40))
-def test_a_mutated_file_reads_as_the_unpickler_reads_it_or_not_at_all(which, at, kind, value, length):
+       value=st.integers(0, 255), length=st.integers(1, 40), halves=st.booleans())
+def test_a_mutated_file_reads_as_the_unpickler_reads_it_or_not_at_all(which, at, kind, value, length, halves):
     sample = _SAMPLES[which]
     data = mutated(sample, at % len(sample), kind, value, length)
-    fast = _fast(data)
+    fast = _fast(data, halves)
     if isinstance(fast, str):  # the index refused a field: so must the unpickler's path
         assert str(_slow(data)).startswith("error"), fast
     elif fast is not None:
@@ -174,6 +196,25 @@ def test_a_marker_cannot_be_forged():
     state = {"w": TensorStorageMetadata(TensorProperties("torch.float32"), (2, 4), chunks)}
     data = dump_hp(Metadata(state, None, {}))
     assert read_stock_columns(data) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 300), max_size=40), st.lists(st.integers(-3, 310), max_size=40),
+       st.sampled_from([0, 1 << 40]))
+def test_the_lookups_by_table_answer_as_sorting_and_searching_do(keys, queries, far):
+    """`_distinct` and `_find` build a table where the values are small; far ones (what a hostile
+    file could name), negative ones and repeated keys go the sorting way; both answer alike."""
+    values = np.array(keys + [far] * bool(far), np.int64)
+    assert stock._distinct(values).tolist() == np.unique(values).tolist()
+    keys_ = np.unique(values)
+    asked = np.array(queries + [far, far + 1], np.int64)
+    at, hit = stock._find(keys_, asked)
+    assert hit.tolist() == np.isin(asked, keys_).tolist()
+    assert (keys_[at[hit]] == asked[hit]).all() if len(keys_) else not hit.any()
+    repeated = np.sort(np.array(keys + keys[:3], np.int64))
+    if len(repeated):
+        at, hit = stock._find(repeated, asked)
+        assert (repeated[at[hit]] == asked[hit]).all() and hit.tolist() == np.isin(asked, repeated).tolist()
 
 
 def test_the_skeleton_is_scanned_before_the_c_unpickler_reads_it(monkeypatch):
