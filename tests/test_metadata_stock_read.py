@@ -20,6 +20,7 @@ from test_metadata_columns_read import _slow_or_error as _slow
 
 from hpckpt.core.codecs import hyperparallel_metadata_stock_read as stock
 from hp_reference import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -171,6 +172,40 @@ def test_what_the_records_leave_to_the_skeleton_is_checked():
     assert framed[2] == 0x95
     framed[3:11] = struct.pack("<Q", struct.unpack("<Q", framed[3:11])[0] + 1)
     assert read_stock_columns(bytes(framed)) is None
+
+
+def _referring_file(n: int = 40) -> bytes:
+    """Tensors a, b and c of `n` row chunks; the skeleton refers into the runs: planner_data holds
+    a chunk's offsets tuple (the record's own object), and a value's storage entry, between a's
+    and b's, names a file whose string a's storage records pushed (one object for them all)."""
+    paths = [f"_rank{r}_.safetensors" for r in range(2)]
+    state, storage, planner = {}, {}, {}
+    for name in ("a", "b", "c"):
+        chunks = [ChunkStorageMetadata((i, 0), tuple([1, 4])) for i in range(n)]
+        state[name] = TensorStorageMetadata(TensorProperties("torch.float32"), (n, 4), chunks)
+        planner[name] = chunks[n // 2].offsets
+    state["step"] = BytesStorageMetadata()
+    for name in ("a", "step", "b", "c"):
+        if name == "step":
+            storage[MetadataIndex("step")] = StorageInfo(paths[1], 0, 8)
+            continue
+        for i in range(n):
+            storage[MetadataIndex(name, (i, 0), i)] = StorageInfo(paths[i % 2], 16 * i, 16, name)
+    return dump_hp(Metadata(state, planner, storage))
+
+
+@pytest.mark.parametrize("halves", [False, True])
+def test_what_the_skeleton_refers_to_in_a_run_is_pushed_again(halves):
+    """A run's memo entries are not made in the skeleton, every reference after it renumbered;
+    the string and the tuple the skeleton refers to are pushed again by the markers, and what
+    comes after them is numbered with them: the same index as the unpickler's."""
+    data = _referring_file()
+    assert _same_or_none(data, taken=True, halves=halves)
+    reader = stock._StockReader(data, "m")
+    reader.read()
+    assert {type(v) for v in reader.spliced.values()} == {bytes} and len(reader.spliced) >= 2
+    assert any(b"_rank" in v for v in reader.spliced.values()), "no file name pushed again"
+    assert any(b"_rank" not in v for v in reader.spliced.values()), "no tuple pushed again"
 
 
 def test_a_frame_cut_inside_a_record_between_its_opcodes_is_read():

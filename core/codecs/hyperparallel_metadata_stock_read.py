@@ -14,13 +14,15 @@ Why what it accepts is what the safe unpickler builds from the same bytes:
 - A walk over the skeleton (`_Walk`) goes opcode by opcode, so a run of records starts where an
   opcode starts; every byte of a run is matched against the record's opcodes (`_Rows`), its
   memo references resolved to what the skeleton's unpickler put there (read back at its end).
-- A marker does to the unpickler's memo what its records did (as many MEMOIZEs), and to its
-  stack either the same (one object per record) or, where the run is all of one batch between
-  MARK and APPENDS or SETITEMS, what those opcodes make of it. Markers are integers offset by a
-  random 60-bit number, so no byte of the file can forge one; the walk refuses any reference
-  into a run's memo entries, a DUP, a POP and any PUT, so no marker is copied or dropped. Each
-  marker must then be found exactly once, in order, in a tensor's chunk list or as a
-  storage_data key.
+- A marker does to the unpickler's stack what its records did (one object per record) or, where
+  the run is all of one batch between MARK and APPENDS or SETITEMS, what those opcodes make of
+  it. The runs' memo entries are not made (millions of MEMOIZEs, most of the unpickler's time):
+  every memo reference the skeleton keeps is renumbered to the entries that are (`renumbered`),
+  and the few strings and tuples of a run it refers to are pushed and memoised by the marker.
+  Markers are integers offset by a random 60-bit number, so no byte of the file can forge one;
+  the walk refuses any other reference into a run's memo entries, a DUP, a POP and any PUT, so
+  no marker is copied or dropped. Each marker must then be found exactly once, in order, in a
+  tensor's chunk list or as a storage_data key.
 - Anything else (another opcode, a record the walk did not take, two keys the unpickled dict
   would collapse, a storage entry that is not exactly one chunk's) gives None: the caller then
   unpickles the file as before (tests/test_metadata_stock_read.py compares the two, on
@@ -336,6 +338,7 @@ class _Walk:
         keep_from = 0
         segments = r.segments
         chain_at = r.chain_at
+        refs_at = r.refs_at
         stop = None
         steps, budget = 0, 20_000 + size // WALK_BYTES_PER_OPCODE
         while p < size:
@@ -376,6 +379,7 @@ class _Walk:
                 index = d[p + 1] if op == BINGET else _U32(d, p + 1)[0]
                 if index >= memo:
                     raise _NotStock("a memo reference ahead of the memo")
+                refs_at.append(p)
                 if r.in_run_memo(index):
                     r.run_refs.add(index)  # must be a string a record pushed: the marker pushes it too
                 if self.learning:
@@ -452,6 +456,7 @@ class _StockReader:
         self.entered: list[tuple[int, int, int, bool]] = []  # (kind, chain, memo base, after MARK)
         self.closing: list[tuple[int, int, int]] = []
         self.inner_cuts: list[int] = []
+        self.refs_at: list[int] = []  # where the skeleton's memo references are (BINGET, LONG_BINGET)
         self.run_refs: set[int] = set()  # memo entries of runs the skeleton refers to
         self.chain_base: dict[tuple[int, int], int] = {}
         self.chain_lists: dict[int, tuple[list, list]] = {}  # per kind: each run's end and memo entries
@@ -573,20 +578,23 @@ class _StockReader:
         rows = _Rows(self.arr, self.size, starts + head, 2)
         rows.expect(refs[b"TensorProperties"] + OBJECT + refs[b"dtype"])
         rows.memo += 2
+        dtype_pos = rows.p.copy()
         dtype = rows.string()
         rows.expect(refs[b"requires_grad"])
         flag = rows.byte()
         rows.ok &= (flag == 0x88) | (flag == 0x89)
         rows.p += 1
         rows.expect(refs[b"memory_format"])
+        format_pos = rows.p.copy()
         memory_format = rows.string(none=True)
         rows.expect(b"ub" + refs[b"size"])
+        size_pos = rows.p.copy()
         size_ref = rows.tuple_field()[2]  # (a shape shared with another tensor: a memo reference)
         rows.expect(refs[b"chunks"] + b"]")
         rows.memoize()
         rows.expect(b"(")
         out = {"ok": rows.ok, "end": rows.p, "memo": rows.memo, "size_kind": (size_ref >= 0).astype(np.int64),
-               "size_memo": size_ref}
+               "size_memo": size_ref, "dtype_pos": dtype_pos, "format_pos": format_pos, "size_pos": size_pos}
         for name, (kind, _start, _length, memo, _at) in (("dtype", dtype), ("format", memory_format)):
             out.update({f"{name}_kind": kind, f"{name}_memo": memo})
         return out
@@ -690,16 +698,28 @@ class _StockReader:
         nonce = (secrets.randbits(59) | (1 << 59)) << 1
         self._strings_referred()
         needed = self._needed_refs()
-        pieces: list[Any] = [b"\x80\x04"]
-        body = memoryview(self.body)
+        pieces: list[Any] = [b"\x80\x04", b""]  # (the frame's header, below)
+        kept_at, kept_end, kept_to = [], [], []  # each piece of the body kept: where, and where in the skeleton
+        body, out = memoryview(self.body), 2
         for what, a, b in self.segments:
-            pieces.append(self._markers(a, b, nonce) if what == "run" else body[a:b])
-        pieces.append(b"(" + b"".join(_ref(i) for i in needed) + b"t\x86.")
+            if what == "run":
+                piece = self._markers(a, b, nonce)
+            else:
+                piece = body[a:b]
+                kept_at.append(a)
+                kept_end.append(b)
+                kept_to.append(out)
+            pieces.append(piece)
+            out += len(piece)
+        pieces.append(b"(" + b"".join(_ref(i) for i in self.renumbered(np.array(needed, np.int64)).tolist()) + b"t\x86.")
         # One frame around it all: the C unpickler then reads the file once, not once an opcode.
         size = sum(len(piece) for piece in pieces) - 2
-        pieces.insert(1, bytes((FRAME,)) + struct.pack("<Q", size))
-        skeleton = b"".join(pieces)
+        pieces[1] = bytes((FRAME,)) + struct.pack("<Q", size)
+        head = len(pieces[1])
+        skeleton = bytearray(b"".join(pieces))
         del pieces, body
+        self._renumber_refs(skeleton, np.array(kept_at, np.int64), np.array(kept_end, np.int64),
+                            np.array(kept_to, np.int64) + head)
         loaded = loads(skeleton, what=self.where, kind=METADATA)
         if type(loaded) is not tuple or len(loaded) != 2 or type(loaded[0]) is not Metadata:
             raise _NotStock("the skeleton is not a Metadata")
@@ -707,6 +727,54 @@ class _StockReader:
         memo_values = dict(zip(needed, values))
         self._check_refs(memo_values)
         return _Assembly(self, metadata, memo_values, nonce).columns()
+
+    def renumbered(self, indexes: np.ndarray) -> np.ndarray:
+        """The memo indexes the skeleton's unpickler gives what the file put at `indexes`: the
+        runs' memo entries are not made there, but for those the skeleton refers to (`spliced`),
+        so every entry after a run moves down by the run's entries it drops."""
+        if not self.run_memo_lo or not len(indexes):
+            return indexes
+        lo, hi = np.array(self.run_memo_lo, np.int64), np.array(self.run_memo_hi, np.int64)
+        before = np.cumsum(hi - lo) - (hi - lo)  # entries of the runs before each run
+        k = np.searchsorted(lo, indexes, "right") - 1
+        at = k.clip(0)
+        dropped = np.where(k >= 0, before[at] + np.minimum(indexes, hi[at]) - lo[at], 0)
+        kept = np.searchsorted(np.array(sorted(self.spliced), np.int64), indexes)  # spliced ones below
+        return indexes - dropped + kept
+
+    def _renumber_refs(self, skeleton: bytearray, kept_at: np.ndarray, kept_end: np.ndarray,
+                       kept_to: np.ndarray) -> None:
+        """Every memo reference in the kept pieces of the body (the walk's, and the tensors'
+        heads' to a dtype, a memory format or a shape) rewritten for the skeleton's memo; an index
+        only decreases, so each keeps its opcode and width."""
+        at = [np.array(self.refs_at, np.int64)]
+        cols = self.runs.get(_HEADER)
+        if cols is not None:
+            used = cols["row_base"] >= 0
+            for name in ("dtype", "format", "size"):
+                at.append(cols[f"{name}_pos"][used & (cols[f"{name}_kind"] == 1)])
+            fixed = np.array(sorted(self.refs[_HEADER].values()), np.int64)
+            if not np.array_equal(self.renumbered(fixed), fixed):
+                raise _NotStock("a tensor's head refers to a name met after a run")
+        where = np.sort(np.concatenate(at))
+        if not len(where):
+            return
+        piece = np.searchsorted(kept_at, where, "right") - 1
+        if (piece < 0).any() or (where + 1 >= kept_end[piece.clip(0)]).any():
+            raise _NotStock("a reference outside the kept bytes")
+        to = kept_to[piece] + (where - kept_at[piece])
+        arr = np.frombuffer(skeleton, np.uint8)
+        op = arr[to]
+        short, long = op == BINGET, op == LONG_BINGET
+        if not (short | long).all():
+            raise _NotStock("a reference that is not one")
+        four = to[long, None] + 1 + np.arange(4)  # (a LONG_BINGET's index: four bytes, little-endian)
+        old = np.zeros(len(to), np.int64)
+        old[short] = arr[to[short] + 1]
+        old[long] = arr[four].copy().view("<u4")[:, 0]
+        new = self.renumbered(old)
+        arr[to[short] + 1] = new[short]
+        arr[four] = new[long].astype("<u4").view(np.uint8).reshape(-1, 4)
 
     def _needed_refs(self) -> list[int]:
         """Memo indexes the runs' records refer to outside the runs (their classes, field names,
@@ -768,7 +836,7 @@ class _StockReader:
         for index in sorted(self.run_refs - set(self.spliced)):
             at = int(np.searchsorted(memo, index))
             if at < len(memo) and memo[at] == index:
-                self.spliced[index] = _tuple_opcodes(values[at, :counts[at]].tolist()) + b"\x940"
+                self.spliced[index] = _tuple_opcodes(values[at, :counts[at]].tolist()) + b"0"  # (memoised: POP)
         if set(self.spliced) != self.run_refs:
             raise _NotStock("a reference to a run's memo entry that is not a string or a tuple")
 
@@ -781,38 +849,33 @@ class _StockReader:
         return order[bisect.bisect_left(order, base):bisect.bisect_left(order, base + total)]
 
     def _markers(self, kind: int, chain: int, nonce: int) -> bytes:
+        """What stands for a run in the skeleton: one marker, or one a record; no memo entries
+        but the strings and tuples the skeleton refers to (`spliced`: pushed, memoised, popped
+        after the marker of the record that pushed them), the others renumbered away."""
         cols = self.runs[kind]
         first, count = int(cols["chain_first"][chain]), int(cols["chain_count"][chain])
         tail = b"N" if kind == _STORAGE else b""
-        head = 10 + len(tail)
         base = self.chain_base[(kind, chain)]
+        spliced = self._spliced_in(base, int(cols["chain_memo"][chain]))
         if self.whole[(kind, chain)]:
             ident = nonce + _CHAIN_BIT + chain
-            total = int(cols["chain_memo"][chain])
-            out = b"\x8a\x08" + ident.to_bytes(8, "little") + tail + b"\x94" * total
-            slots = {head + i - base: self.spliced[i] for i in self._spliced_in(base, total)}
-        else:
-            memo = cols["memo"][first:first + count]
-            width = head + memo
-            at = np.cumsum(width) - width
-            buf = np.full(int(width.sum()), MEMOIZE, np.uint8)
-            idents = (np.arange(first, first + count, dtype=np.uint64) + np.uint64(nonce)).view(np.uint8)
-            buf[at] = LONG1
-            buf[at + 1] = 8
-            buf[at[:, None] + 2 + np.arange(8)] = idents.reshape(count, 8)
-            if tail:
-                buf[at + 10] = NONE
-            out = buf.tobytes()
-            slots = {}
-            total = int(memo.sum())
-            if self.spliced:
-                bases = cols["row_base"][first:first + count]
-                for i in self._spliced_in(base, total):
-                    row = int(np.searchsorted(bases, i, "right")) - 1
-                    slots[int(at[row]) + head + i - int(bases[row])] = self.spliced[i]
-        for position in sorted(slots, reverse=True):
-            out = out[:position] + slots[position] + out[position + 1:]
-        return out
+            return b"\x8a\x08" + ident.to_bytes(8, "little") + tail + b"".join(self.spliced[i] for i in spliced)
+        head = 10 + len(tail)
+        buf = np.empty((count, head), np.uint8)
+        buf[:, 0], buf[:, 1] = LONG1, 8
+        buf[:, 2:10] = (np.arange(first, first + count, dtype=np.uint64) + np.uint64(nonce)).view(np.uint8).reshape(count, 8)
+        if tail:
+            buf[:, 10] = NONE
+        out = buf.tobytes()
+        if not spliced:
+            return out
+        bases = cols["row_base"][first:first + count]
+        pieces, done = [], 0
+        for i in spliced:
+            cut = int(np.searchsorted(bases, i, "right")) * head  # after its record's marker
+            pieces += [out[done:cut], self.spliced[i]]
+            done = cut
+        return b"".join(pieces) + out[done:]
 
     def _check_refs(self, memo_values: dict[int, Any]) -> None:
         """The classes and field names the records were matched against are what the memo holds."""
