@@ -935,6 +935,11 @@ def _both(first, second) -> tuple[Any, Any]:
     return mine, theirs
 
 
+def _both_if_two(first, second) -> tuple[Any, Any]:
+    """`_both` where there are two cores, else one after the other."""
+    return _both(first, second) if _two_cores() else (first(), second())
+
+
 def _in_halves(read, starts: np.ndarray) -> dict[str, np.ndarray]:
     """`read(starts)`, in two halves at once where there are two cores. Every row is read on its
     own, so the halves joined are the whole; only a column of tuple items is as wide as the
@@ -1103,49 +1108,30 @@ class _Assembly:
         return self._assemble(tensors, values, chunk_rows, chunk_others, key_rows, real)
 
     def _assemble(self, tensors, values, chunk_rows, chunk_others, key_rows, real) -> ColumnsMetadata:
-        where = self.r.where
-        ndims, dtypes, shapes = [], [], []
-        for fqn, item in tensors:
-            dtypes.append(dtype_spelling(item.properties, f"{where}: tensor {fqn}"))
+        ndims, shapes = [], []
+        for _fqn, item in tensors:
             size = item.size
             if not isinstance(size, (tuple, list)) or len(size) > MAX_DIMS:
                 raise _NotStock("a shape that is not a short sequence")
             ndims.append(len(size))
             shapes.append(size)
-        counts = np.array([len(r) + len(o) for r, o in zip(chunk_rows, chunk_others)], np.int64)
-        total = int(counts.sum())
-        firsts = np.cumsum(counts) - counts
         ndim_of = np.array(ndims, np.int64)
-        owner = np.repeat(np.arange(len(tensors)), counts)
-        cc = self.r.runs.get(_CHUNK)
         width = max(ndims, default=0)  # columns used of the records' MAX_DIMS
-        offsets = np.zeros((total, width), np.int64)
-        sizes = np.zeros((total, width), np.int64)
-        if cc is not None and total:
-            flat = np.concatenate(chunk_rows)
-            place = np.ones(total, bool)
-            for t, others in enumerate(chunk_others):
-                for at, chunk in others:
-                    o, z = _real_chunk(chunk, ndims[t])
-                    i = int(firsts[t]) + at
-                    offsets[i, :ndims[t]], sizes[i, :ndims[t]] = o, z
-                    place[i] = False
-            dest = np.flatnonzero(place)
-            if not np.array_equal(cc["ndim"][flat], ndim_of[owner[dest]]):
-                raise _NotStock("a chunk of another number of dimensions")
-            offsets[dest], sizes[dest] = _width(cc["offsets"][flat], width), _width(cc["sizes"][flat], width)
-        elif total:
-            raise _NotStock("chunks and no run of them")
-        if (offsets < 0).any() or (sizes < 0).any():
-            raise _NotStock("a negative offset or size")
-        # storage_data: an entry per chunk at its position (index) and offsets, or per group of
-        # chunks at equal offsets (below)
         tensor_of = np.full(len(tensors), -1, np.int64)
         for t, (fqn, _item) in enumerate(tensors):
             tensor_of[t] = self.string_id(fqn)
         by_string = np.full(len(self.strings), -1, np.int64)
         by_string[tensor_of] = np.arange(len(tensors))
-        s_t, s_i, s_off, s_file, s_key = self._storage_columns(key_rows, by_string, ndim_of, width)
+        if self.r.runs.get(_STORAGE) is not None:  # the string table complete first: `string_id` is for one thread
+            self._pushed(self.r.runs[_STORAGE])
+            self._skeleton_strings()
+        # storage_data's columns (numpy) on a second core while this one spells dtypes and puts
+        # the chunks' boxes in place
+        (dtypes, counts, firsts, owner, offsets, sizes), storage = _both_if_two(
+            lambda: self._chunk_arrays(tensors, chunk_rows, chunk_others, ndims, width),
+            lambda: self._storage_columns(key_rows, by_string, ndim_of, width))
+        total = len(offsets)
+        s_t, s_i, s_off, s_file, s_key = storage
         extra_files: list[int] = []
         more: list[tuple] = []
         fqn_ids = {fqn: t for t, (fqn, _item) in enumerate(tensors)}
@@ -1210,6 +1196,39 @@ class _Assembly:
         md = self.metadata
         return ColumnsMetadata(out, values, value_storage, strings, md.planner_data,
                                md.__dict__.get("version", "1.0"), file_refs)
+
+    def _chunk_arrays(self, tensors, chunk_rows, chunk_others, ndims, width) -> tuple:
+        """(dtype spellings, chunks a tensor, each tensor's first chunk, each chunk's tensor,
+        offsets, sizes): the chunk records put where the markers say, with the chunks the
+        unpickler built itself."""
+        where = self.r.where
+        dtypes = [dtype_spelling(item.properties, f"{where}: tensor {fqn}") for fqn, item in tensors]
+        counts = np.array([len(r) + len(o) for r, o in zip(chunk_rows, chunk_others)], np.int64)
+        total = int(counts.sum())
+        firsts = np.cumsum(counts) - counts
+        ndim_of = np.array(ndims, np.int64)
+        owner = np.repeat(np.arange(len(tensors)), counts)
+        cc = self.r.runs.get(_CHUNK)
+        offsets = np.zeros((total, width), np.int64)
+        sizes = np.zeros((total, width), np.int64)
+        if cc is not None and total:
+            flat = np.concatenate(chunk_rows)
+            place = np.ones(total, bool)
+            for t, others in enumerate(chunk_others):
+                for at, chunk in others:
+                    o, z = _real_chunk(chunk, ndims[t])
+                    i = int(firsts[t]) + at
+                    offsets[i, :ndims[t]], sizes[i, :ndims[t]] = o, z
+                    place[i] = False
+            dest = np.flatnonzero(place)
+            if not np.array_equal(cc["ndim"][flat], ndim_of[owner[dest]]):
+                raise _NotStock("a chunk of another number of dimensions")
+            offsets[dest], sizes[dest] = _width(cc["offsets"][flat], width), _width(cc["sizes"][flat], width)
+        elif total:
+            raise _NotStock("chunks and no run of them")
+        if (offsets < 0).any() or (sizes < 0).any():
+            raise _NotStock("a negative offset or size")
+        return dtypes, counts, firsts, owner, offsets, sizes
 
     def _storage_columns(self, key_rows: np.ndarray, by_string: np.ndarray, ndim_of: np.ndarray, width: int):
         cols = self.r.runs.get(_STORAGE)
