@@ -8,7 +8,6 @@ are parsed once per file, on first use.
 from __future__ import annotations
 
 import threading
-import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from hpckpt.core.errors import (
 )
 from hpckpt.core.index import Chunk, Location, TensorEntry, ValueEntry
 from hpckpt.core.io import checksums
+from hpckpt.core.io.crc import crc32
 from hpckpt.core.io.read import open_data_file, pread_exact
 from hpckpt.core.paths import resolve_inside
 from hpckpt.core.safety import input_files
@@ -198,7 +198,7 @@ def check_mindspore_crc(header: safetensors_io.SafetensorsHeader) -> None:
     with open_data_file(header.path) as f:
         for key in sorted(header.entries):
             info = header.entries[key]
-            crc = zlib.crc32(key.encode("utf-8"), crc)
+            crc = crc32(key.encode("utf-8"), crc)
             crc = checksums.crc_of_range(handle_of(f), info.begin, info.end - info.begin, header.path, crc)
     if crc != expected:
         raise CorruptDataError(f"{header.path}: CRC-32 mismatch: __metadata__ crc_num says {expected}, the tensors "

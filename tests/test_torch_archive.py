@@ -28,6 +28,7 @@ from _util import read_location, torch_bytes
 from hpckpt.converters import format_named
 from hpckpt.converters.base import WriterOptions
 from hpckpt.core.io import checksums
+from hpckpt.core.io.crc import crc32
 from hpckpt.core import dtypes
 from hpckpt.core.geometry.box import full_box
 from hpckpt.core.codecs import torch_archive as ta
@@ -195,6 +196,23 @@ def members(path: Path) -> list[zipfile.ZipInfo]:
     with zipfile.ZipFile(path) as zf:
         assert zf.testzip() is None  # every CRC is right
         return zf.infolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=70_000), st.integers(0, 2**32 - 1), st.integers(1, 9))
+def test_the_crc_is_zlib_s_whatever_the_buffer_and_the_pieces(data, start, parts):
+    """`core.io.crc.crc32` (zlib-ng's) gives `zlib.crc32`'s values: from any running value, over
+    the bytes in pieces, from bytes, bytearray, memoryview and numpy buffers (what the writers and
+    the checks hand it)."""
+    expected = zlib.crc32(data, start)
+    for buffer in (data, bytearray(data), memoryview(data), np.frombuffer(data, np.uint8)):
+        assert crc32(buffer, start) == expected
+    crc, step = start, max(1, len(data) // parts)
+    view = memoryview(data)
+    for at in range(0, len(data), step):
+        crc = crc32(view[at:at + step], crc)
+    assert crc == expected
+    assert crc32(data) == zlib.crc32(data)
 
 
 # --------------------------------------------------------------------------------------------

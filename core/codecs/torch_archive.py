@@ -28,7 +28,6 @@ import math
 import operator
 import pickle
 import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -36,6 +35,7 @@ from typing import Any, Iterable, Mapping
 from hpckpt.core import dtypes
 from hpckpt.core.codecs.pickle_builder import PickleBuilder
 from hpckpt.core.dtypes import DType
+from hpckpt.core.io.crc import crc32
 from hpckpt.core.storage.urls import as_path
 
 #: A record's size or header offset at or above this needs zip64 fields (miniz's rule).
@@ -234,7 +234,7 @@ class TorchArchive:
         self.base, position = base, 0
         for name, size, data, key in entries:
             record = _Record(self._prefix + name.encode("utf-8"), position, size, data, key=key)
-            record.crc = zlib.crc32(data) if data is not None else 0
+            record.crc = crc32(data) if data is not None else 0
             record.data_offset = position + len(_local_header(record))
             position = record.data_offset + size + len(_descriptor(record))
             self._records.append(record)
@@ -272,7 +272,7 @@ class TorchArchive:
                 out.append((self.base + r.data_offset + r.size, _descriptor(r)))
         sid = self._records[-1]
         sid.data = self._serialization_id(self._records[:-1])
-        sid.crc = zlib.crc32(sid.data)
+        sid.crc = crc32(sid.data)
         out.append((self.base + sid.data_offset, sid.data + _descriptor(sid)))
         directory = b"".join(_central_header(r) for r in self._records)
         out.append((self.base + self._directory_at,

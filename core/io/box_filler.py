@@ -13,7 +13,6 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-import zlib
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -26,6 +25,7 @@ from hpckpt.core.geometry.tiles import contiguous_in, contiguous_tiles, linear
 from hpckpt.core.index import BufferLocation, CheckpointIndex, Chunk, Location
 from hpckpt.core.io import digest
 from hpckpt.core.io.cast import cast
+from hpckpt.core.io.crc import crc32
 from hpckpt.core.io.output import Extent, Placement
 from hpckpt.core.io.read import OpenFiles, read_region
 from hpckpt.core.storage.readers import read_at
@@ -134,7 +134,7 @@ class _Sums:
         if self.hasher is not None:
             self.hasher.update(piece)
         if self.crc is not None:
-            self.crc = zlib.crc32(piece, self.crc)  # (releases the GIL from 5 KiB up)
+            self.crc = crc32(piece, self.crc)
 
     def result(self) -> Filled:
         return Filled(None if self.hasher is None else self.hasher.hexdigest(), self.crc)

@@ -9,10 +9,10 @@ thread, whatever the range's size).
 from __future__ import annotations
 
 import threading
-import zlib
 from pathlib import Path
 
 from hpckpt.core.errors import CorruptDataError
+from hpckpt.core.io.crc import crc32
 from hpckpt.core.io.output import Extent
 from hpckpt.core.io.read import open_data_file
 from hpckpt.core.storage.readers import handle_of, read_at
@@ -41,7 +41,7 @@ def crc_of(fd: int, extents, path: Path | str = "file", crc: int = 0) -> int:
             if n <= 0:
                 raise CorruptDataError(f"{path}: truncated: {extent.nbytes - done} bytes missing at offset "
                                        f"{extent.offset + done}")
-            crc = zlib.crc32(view[:n], crc)
+            crc = crc32(view[:n], crc)
             done += n
     return crc
 

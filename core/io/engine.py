@@ -10,7 +10,7 @@ reads (or from memory, for in-memory sources) into one buffer, cast if asked, an
 one `pwrite`. Every box's digest for the manifest, and the CRC-32 a format records of a box (a
 zip member's), are taken from the bytes as they are written, from the buffer or mapping they are
 written from; only a CRC-32 of a range that is not one box (a `.ckpt` trailer) is read back, on a
-worker. Files are filled in parallel, one per worker (I/O, xxhash, numpy and zlib release the GIL);
+worker. Files are filled in parallel, one per worker (I/O, xxhash, numpy and zlib-ng's CRC-32 release the GIL);
 what one worker does to its file is `box_filler.py`.
 
 When the main thread leaves `execute` early (an error of one file, Ctrl-C, SIGTERM), the files
