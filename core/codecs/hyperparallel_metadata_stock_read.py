@@ -907,6 +907,7 @@ HALVES_FROM = 50_000
 
 
 def _two_cores() -> bool:
+    """Whether this process may run on two cores or more (its CPU affinity, where the OS has one)."""
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
     return len(cores) >= 2
 
