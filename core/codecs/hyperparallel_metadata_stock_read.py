@@ -461,6 +461,7 @@ class _StockReader:
         self.chain_base: dict[tuple[int, int], int] = {}
         self.chain_lists: dict[int, tuple[list, list]] = {}  # per kind: each run's end and memo entries
         self.spliced: dict[int, bytes] = {}  # memo index -> the opcodes that put its string there
+        self.spliced_order: list[int] = []  # (its keys, sorted, once complete)
         self.run_memo_lo: list[int] = []
         self.run_memo_hi: list[int] = []
         self._objects: tuple | None = None
@@ -476,9 +477,9 @@ class _StockReader:
             return self._objects
         end = self.size if hi is None else min(hi, self.size)
         middle = lo + (end - lo) // 2
-        if middle - lo >= HALVES_FROM * 64 and _two_cores():
-            parts = _both(lambda: self._object_starts(lo, middle), lambda: self._object_starts(middle, end))
-            at = np.concatenate(parts)
+        if middle - lo >= HALVES_FROM * 64:
+            at = np.concatenate(_both_if_two(lambda: self._object_starts(lo, middle),
+                                             lambda: self._object_starts(middle, end)))
         else:
             at = self._object_starts(lo, end)
         out = (at, _words(self.arr, at - 8), _words(self.arr, at + len(OBJECT)))
@@ -697,6 +698,7 @@ class _StockReader:
             raise _NotStock("no runs of records")
         nonce = (secrets.randbits(59) | (1 << 59)) << 1
         self._strings_referred()
+        self.spliced_order = sorted(self.spliced)
         needed = self._needed_refs()
         pieces: list[Any] = [b"\x80\x04", b""]  # (the frame's header, below)
         kept_at, kept_end, kept_to = [], [], []  # each piece of the body kept: where, and where in the skeleton
@@ -739,7 +741,7 @@ class _StockReader:
         k = np.searchsorted(lo, indexes, "right") - 1
         at = k.clip(0)
         dropped = np.where(k >= 0, before[at] + np.minimum(indexes, hi[at]) - lo[at], 0)
-        kept = np.searchsorted(np.array(sorted(self.spliced), np.int64), indexes)  # spliced ones below
+        kept = np.searchsorted(np.array(self.spliced_order, np.int64), indexes)  # spliced ones below
         return indexes - dropped + kept
 
     def _renumber_refs(self, skeleton: bytearray, kept_at: np.ndarray, kept_end: np.ndarray,
@@ -841,11 +843,7 @@ class _StockReader:
             raise _NotStock("a reference to a run's memo entry that is not a string or a tuple")
 
     def _spliced_in(self, base: int, total: int) -> list[int]:
-        if not self.spliced:
-            return []
-        if not hasattr(self, "_spliced_order"):
-            self._spliced_order = sorted(self.spliced)
-        order = self._spliced_order
+        order = self.spliced_order
         return order[bisect.bisect_left(order, base):bisect.bisect_left(order, base + total)]
 
     def _markers(self, kind: int, chain: int, nonce: int) -> bytes:
@@ -1129,7 +1127,7 @@ class _Assembly:
         # storage_data's columns (numpy) on a second core while this one spells dtypes and puts
         # the chunks' boxes in place
         (dtypes, counts, firsts, owner, offsets, sizes), storage = _both_if_two(
-            lambda: self._chunk_arrays(tensors, chunk_rows, chunk_others, ndims, width),
+            lambda: self._chunk_arrays(tensors, chunk_rows, chunk_others, ndims, ndim_of, width),
             lambda: self._storage_columns(key_rows, by_string, ndim_of, width))
         total = len(offsets)
         s_t, s_i, s_off, s_file, s_key = storage
@@ -1198,7 +1196,7 @@ class _Assembly:
         return ColumnsMetadata(out, values, value_storage, strings, md.planner_data,
                                md.__dict__.get("version", "1.0"), file_refs)
 
-    def _chunk_arrays(self, tensors, chunk_rows, chunk_others, ndims, width) -> tuple:
+    def _chunk_arrays(self, tensors, chunk_rows, chunk_others, ndims, ndim_of, width) -> tuple:
         """(dtype spellings, chunks a tensor, each tensor's first chunk, each chunk's tensor,
         offsets, sizes): the chunk records put where the markers say, with the chunks the
         unpickler built itself."""
@@ -1207,7 +1205,6 @@ class _Assembly:
         counts = np.array([len(r) + len(o) for r, o in zip(chunk_rows, chunk_others)], np.int64)
         total = int(counts.sum())
         firsts = np.cumsum(counts) - counts
-        ndim_of = np.array(ndims, np.int64)
         owner = np.repeat(np.arange(len(tensors)), counts)
         cc = self.r.runs.get(_CHUNK)
         offsets = np.zeros((total, width), np.int64)
