@@ -17,8 +17,8 @@ and without, alternating round by round, best of `--rounds`:
 Then the peak RSS of one page-cache-only reshard with and without the manifest, each in a fresh
 process (`VmHWM`): the mapped source pages the hash reads count in it.
 
-Also prints XXH3-128, SHA-256, BLAKE2b, CRC-32 (and BLAKE3 when installed) on one core, over one
-in-memory buffer, for the README's choice. The target is a manifest cost under 10 % of the write.
+Also prints XXH3-128, SHA-256, BLAKE2b, CRC-32 by zlib and by zlib-ng (and BLAKE3 when installed)
+on one core, over one in-memory buffer, for the README's choices (`--digests-only`: that alone). The target is a manifest cost under 10 % of the write.
 The CPU the manifest adds is shown as a share of the write's time too: on a disk whose speed varies
 from one write to the next, the wall-clock difference of a fsynced write is mostly that noise.
 """
@@ -63,11 +63,14 @@ def make_source(path: Path, size: int) -> None:
 def digest_speeds(nbytes: int = 256 << 20) -> list[tuple[str, float]]:
     import xxhash
 
+    from hpckpt.core.io.crc import crc32
+
     data = memoryview(np.random.default_rng(1).bytes(nbytes))
     candidates = [("XXH3-128 (xxhash)", lambda b: xxhash.xxh3_128(b).digest()),
                   ("SHA-256 (hashlib)", lambda b: hashlib.sha256(b).digest()),
                   ("BLAKE2b (hashlib)", lambda b: hashlib.blake2b(b).digest()),
-                  ("CRC-32 (zlib)", lambda b: zlib.crc32(b))]
+                  ("CRC-32 (zlib)", lambda b: zlib.crc32(b)),
+                  ("CRC-32 (zlib-ng: hpckpt's, `core/io/crc.py`)", lambda b: crc32(b))]
     try:
         import blake3
 
@@ -150,7 +153,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "out" / "manifest-cost")
     parser.add_argument("--cases", default="fsynced,no-fsync,live", help="which writes to time (comma-separated)")
+    parser.add_argument("--digests-only", action="store_true", help="print the digests' speeds only")
     args = parser.parse_args()
+    if args.digests_only:
+        print(f"load average {os.getloadavg()[0]:.2f}\n\n| digest, one core | GB/s |\n|---|---:|")
+        for name, speed in digest_speeds():
+            print(f"| {name} | {speed:.2f} |")
+        return 0
     size = parse_size(args.size)
     args.out.mkdir(parents=True, exist_ok=True)
     src = args.out / "src.safetensors"

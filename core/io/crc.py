@@ -1,7 +1,7 @@
 """CRC-32 as zip members and MindSpore's `.ckpt` trailer carry it (zlib's polynomial).
 
-From zlib-ng (`zlib_ng.zlib_ng.crc32`, the same values as `zlib.crc32`): 25-27 GB/s on one core
-here, where the standard library's zlib 1.2.13 does 3.9 (600 MiB: 0.022 s against 0.15 s). Every
+From zlib-ng (`zlib_ng.zlib_ng.crc32`, the same values as `zlib.crc32`): 23 GB/s on one core
+here, where the standard library's zlib 1.2.13 does 4.2 (`bench/bench_manifest_cost.py --digests-only`). Every
 `.pt` hpckpt writes and every zip or `.ckpt` CRC it checks goes through it: `convert --to pt` was
 1.22-1.41x the time of `--to safetensors` with zlib's (docs/benchmarks.md, issue 29).
 """
